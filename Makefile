@@ -1,0 +1,27 @@
+# Fresh-machine entry points: `make train` and `make test` need only python3.
+# Prefer Python 3.12 (jax 0.11+); fall back to python3 (jax 0.10.2 on 3.11).
+PYTHON ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 python3; do \
+	$$p -c 'import sys; assert sys.version_info >= (3, 11)' >/dev/null 2>&1 && { echo $$p; break; }; done)
+VENV := .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/quickstart.yaml
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+
+.PHONY: train test venv clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+train: venv
+	$(BIN)/jaxpar train $(CONFIG)
+
+test: venv
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

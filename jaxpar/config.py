@@ -1,0 +1,310 @@
+"""Typed experiment config: YAML file + dotted overrides, validated with clear errors.
+
+A config is data. Every section is a strict pydantic model (unknown keys are errors with a
+did-you-mean), and the resolved config is printed at start and saved in the run dir.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "expert")
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config: the message names the field, the value and what is valid."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Strict):
+    """A Llama-style decoder. `preset` fills the fields; fields given beside it win."""
+
+    preset: str | None = None
+    vocab_size: int = Field(256, gt=0)
+    dim: int = Field(128, gt=0)
+    n_layers: int = Field(2, gt=0)
+    n_heads: int = Field(4, gt=0)
+    n_kv_heads: int = Field(2, gt=0)
+    head_dim: int | None = Field(None, gt=0)
+    ffn_dim: int = Field(384, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = False
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            from models.llama import PRESETS
+
+            name = data["preset"]
+            if name not in PRESETS:
+                raise ValueError(
+                    f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}"
+                )
+            return {**PRESETS[name], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+        return self
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
+class MeshConfig(Strict):
+    """Axis sizes. One axis may be -1 (fills the rest). `dcn` is the across-hosts part of each
+    axis (slow links); the in-host part is the size divided by it."""
+
+    data: int = -1
+    fsdp: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+    expert: int = 1
+    dcn: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("data", "fsdp", "pipeline", "tensor", "expert")
+    @classmethod
+    def _size(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError(f"axis size must be a positive integer or -1 (fill the rest), got {v}")
+        return v
+
+    @field_validator("dcn")
+    @classmethod
+    def _dcn(cls, v: dict[str, int]) -> dict[str, int]:
+        for k, n in v.items():
+            if k not in MESH_AXES:
+                raise ValueError(f"unknown mesh axis {k!r} in dcn; valid: {', '.join(MESH_AXES)}")
+            if n < 1:
+                raise ValueError(f"dcn.{k} must be >= 1, got {n}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_fill(self) -> "MeshConfig":
+        fills = [a for a in MESH_AXES if getattr(self, a) == -1]
+        if len(fills) > 1:
+            raise ValueError(f"only one axis may be -1, got {fills}")
+        return self
+
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+
+DEFAULT_RULES: dict[str, list[str]] = {
+    # activations and data
+    "batch": ["data", "fsdp", "expert"],
+    "seq": [],
+    "residual_seq": [],  # 'tensor' when sharding.sequence_parallel is on
+    # parameters (and the activations that carry the same dims)
+    "embed": ["fsdp"],
+    "heads": ["tensor"],
+    "kv_heads": ["tensor"],
+    "head_dim": [],
+    "mlp": ["tensor"],
+    "vocab": ["tensor"],
+    "layers": ["pipeline"],
+    "expert": ["expert"],
+    "norm": [],
+}
+
+
+class ShardingConfig(Strict):
+    """How logical axes map to mesh axes, and what ZeRO shards over `fsdp`."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    sequence_parallel: bool = False
+    rules: dict[str, list[str]] = Field(default_factory=dict)
+    replicated_tolerance: float = Field(0.05, ge=0, le=1)
+
+    @field_validator("rules", mode="before")
+    @classmethod
+    def _rules(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for k, axes in v.items():
+            if axes is None:
+                axes = []
+            elif isinstance(axes, str):
+                axes = [axes]
+            for a in axes:
+                if a not in MESH_AXES:
+                    raise ValueError(
+                        f"rule {k!r} maps to unknown mesh axis {a!r}; valid: {', '.join(MESH_AXES)}"
+                    )
+            out[k] = list(axes)
+        return out
+
+    def resolved_rules(self) -> dict[str, tuple[str, ...]]:
+        rules = {k: tuple(v) for k, v in DEFAULT_RULES.items()}
+        if self.sequence_parallel:
+            rules["residual_seq"] = ("tensor",)
+        rules.update({k: tuple(v) for k, v in self.rules.items()})
+        return rules
+
+
+class OptimizerConfig(Strict):
+    lr: float = Field(3e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    decay_steps: int | None = Field(None, gt=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    clip_norm: float | None = Field(1.0, gt=0)
+
+
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+class TrainConfig(Strict):
+    steps: int = Field(100, gt=0)
+    global_batch: int = Field(16, gt=0)
+    seq_len: int = Field(128, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    seed: int = 0
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
+    log_every: int = Field(1, gt=0)
+    progress: bool = True
+
+
+class DataConfig(Strict):
+    """`text`: byte-level tokens of text files (default: the Python standard library's sources);
+    `bin`: a memory-mapped token file; `synthetic`: a learnable random source."""
+
+    source: Literal["text", "bin", "synthetic"] = "text"
+    paths: list[str] = Field(default_factory=list)
+    bin_path: str | None = None
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+
+    @model_validator(mode="after")
+    def _bin(self) -> "DataConfig":
+        if self.source == "bin" and not self.bin_path:
+            raise ValueError("data.source 'bin' needs data.bin_path (a .bin file of tokens)")
+        return self
+
+
+class XlaConfig(Strict):
+    """XLA options. On GPU the latency-hiding scheduler overlaps collectives with compute."""
+
+    gpu_overlap: bool = True
+    flags: list[str] = Field(default_factory=list)
+
+
+class Config(Strict):
+    name: str = "run"
+    run_dir: str = "runs"
+    peak_flops: float | None = Field(None, gt=0, description="per-device peak FLOP/s for MFU")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    sharding: ShardingConfig = Field(default_factory=ShardingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    xla: XlaConfig = Field(default_factory=XlaConfig)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.run_dir) / self.name
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------- loading and errors
+
+
+def _fields_at(model_cls: type[BaseModel], loc: tuple) -> list[str]:
+    """The valid keys at `loc` (a pydantic error location), for did-you-mean hints."""
+    cls = model_cls
+    for part in loc[:-1]:
+        field = cls.model_fields.get(str(part)) if isinstance(cls, type) else None
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        cls = ann
+    return list(cls.model_fields)
+
+
+def _format_errors(err: ValidationError, cls: type[BaseModel]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        where = ".".join(str(p) for p in loc) or "<root>"
+        if e["type"] == "extra_forbidden":
+            valid = _fields_at(cls, loc)
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+            hint = f" did you mean {close[0]!r}?" if close else ""
+            lines.append(f"unknown key {where!r}.{hint} valid keys here: {', '.join(valid)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{where} = {e.get('input')!r}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        nxt = node.get(k)
+        if nxt is None:
+            nxt = node[k] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {dotted!r}: {k!r} is not a section (it is {nxt!r})")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like a.b=value")
+        key, raw = item.split("=", 1)
+        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return out
+
+
+def make_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
+    tree = dict(raw or {})
+    for key, value in parse_overrides(list(overrides)):
+        _set_dotted(tree, key, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, Config)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping, got {type(raw).__name__}")
+    return make_config(raw, overrides)

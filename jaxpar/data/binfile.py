@@ -1,0 +1,70 @@
+"""Flat token files (nanoGPT-style `.bin`): little-endian uint16/uint32 ids, no header.
+
+Memory-mapped, so a corpus larger than RAM costs nothing to open and each process reads only
+the windows it samples.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.config import ConfigError
+
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+CHECK_TOKENS = 1 << 20  # ids checked against vocab_size when the file is opened
+
+
+def _dtype(name: str) -> np.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"data.bin_dtype={name!r} is not valid; valid: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def write_bin(path: str | Path, tokens: np.ndarray, dtype: str = "uint16") -> Path:
+    """Write `tokens` as a flat .bin file (the format `open_bin` reads)."""
+    dt = _dtype(dtype)
+    tokens = np.asarray(tokens).reshape(-1)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(dt).max):
+        raise ValueError(
+            f"token ids span [{tokens.min()}, {tokens.max()}], outside {dtype}'s "
+            f"[0, {np.iinfo(dt).max}]; use bin_dtype='uint32'"
+        )
+    path = Path(path)
+    tokens.astype(dt).tofile(path)
+    return path
+
+
+def open_bin(path: str | Path, dtype: str = "uint16") -> np.memmap:
+    """Memory-map a .bin token file read-only, with clear errors for a missing or torn file."""
+    dt = _dtype(dtype)
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"data.bin_path={str(path)!r} does not exist; give a .bin token file")
+    size = p.stat().st_size
+    if size == 0:
+        raise ConfigError(f"data.bin_path={str(path)!r} is empty")
+    if size % dt.itemsize:
+        raise ConfigError(
+            f"data.bin_path={str(path)!r} has {size} bytes, not a multiple of {dt.itemsize} "
+            f"(data.bin_dtype={dtype!r}); the file is truncated or bin_dtype is wrong "
+            f"(valid: {', '.join(DTYPES)})"
+        )
+    return np.memmap(p, dtype=dt, mode="r")
+
+
+def check_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Raise ConfigError if any id in `tokens` is >= vocab_size (cheap: call on a sample/batch)."""
+    if tokens.size == 0:
+        return
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise ConfigError(
+            f"{where} holds token id {top} >= model.vocab_size={vocab_size}; raise "
+            "model.vocab_size or check data.bin_dtype (uint16 vs uint32)"
+        )
+
+
+def check_head(tokens: np.ndarray, vocab_size: int, path: str) -> None:
+    """Check the first CHECK_TOKENS ids at open time, so a wrong file fails before compiling."""
+    check_ids(np.asarray(tokens[:CHECK_TOKENS]), vocab_size, f"data.bin_path={path!r}")

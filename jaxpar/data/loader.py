@@ -1,0 +1,148 @@
+"""Stateless input: batch rows are a pure function of (seed, step, row index).
+
+So resuming at step s needs no replay and no saved iterator state, every process computes only
+the rows of its own shards, and the data does not change with the number of hosts or devices.
+Randomness comes from a counter-based hash (splitmix64) of (seed, step, row), vectorised in
+numpy: computing any subset of rows gives exactly the values those rows have in the full batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from jaxpar.config import ConfigError, DataConfig
+from jaxpar.data import binfile, text
+
+_M64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+class TokenSource(Protocol):
+    def rows(self, step: int, row_indices: np.ndarray, seq_len: int) -> np.ndarray:
+        """int32 [len(row_indices), seq_len + 1]: inputs and, shifted by one, targets."""
+        ...
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer: a bijective, well-mixed hash of uint64 values (wraps mod 2**64)."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(x, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_keys(seed: int, step: int, row_indices: np.ndarray, salt: int = 0) -> np.ndarray:
+    """One uint64 random key per row, depending only on (seed, step, row, salt)."""
+    k = mix64(np.uint64((seed ^ (salt << 32)) & _M64))
+    k = mix64(k ^ np.uint64(step & _M64))
+    return mix64(k ^ np.asarray(row_indices, dtype=np.uint64))
+
+
+@dataclass(frozen=True, eq=False)
+class StreamSource:
+    """Random windows of seq_len + 1 tokens from one long 1-D token stream (array or memmap).
+
+    `vocab_size` set means ids are checked per batch (for files not fully validated upfront);
+    `name` is the config field shown in errors."""
+
+    tokens: np.ndarray = field(repr=False)
+    seed: int
+    name: str
+    vocab_size: int | None = None
+
+    def rows(self, step: int, row_indices: np.ndarray, seq_len: int) -> np.ndarray:
+        length = seq_len + 1
+        n = int(self.tokens.shape[0])
+        if n < length:
+            raise ConfigError(
+                f"{self.name} has {n} tokens, fewer than train.seq_len+1={length}; "
+                "give a longer corpus or lower train.seq_len"
+            )
+        offsets = row_keys(self.seed, step, row_indices) % np.uint64(n - length + 1)
+        out = np.empty((len(offsets), length), dtype=self.tokens.dtype)
+        for i, o in enumerate(offsets.tolist()):  # contiguous slices: cheap on a memmap
+            out[i] = self.tokens[o : o + length]
+        if self.vocab_size is not None:  # before the int32 cast, which could wrap huge ids
+            binfile.check_ids(out, self.vocab_size, self.name)
+        return out.astype(np.int32)
+
+
+def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
+    """The token source `cfg` names, validated against the model's vocab_size."""
+    from jaxpar.data import synthetic  # here: synthetic imports row_keys from this module
+
+    if cfg.source == "text":
+        if vocab_size < text.VOCAB_SIZE:
+            raise ConfigError(
+                f"model.vocab_size={vocab_size} is too small for data.source='text': byte tokens "
+                f"need vocab_size >= {text.VOCAB_SIZE}"
+            )
+        tokens = text.load_corpus(tuple(cfg.paths))
+        name = f"data.paths={cfg.paths!r}" if cfg.paths else "the Python stdlib corpus"
+        return StreamSource(tokens, seed, name)
+    if cfg.source == "bin":
+        if not cfg.bin_path:
+            raise ConfigError("data.source='bin' needs data.bin_path (a .bin file of tokens)")
+        tokens = binfile.open_bin(cfg.bin_path, cfg.bin_dtype)
+        binfile.check_head(tokens, vocab_size, cfg.bin_path)
+        return StreamSource(tokens, seed, f"data.bin_path={cfg.bin_path!r}", vocab_size)
+    if cfg.source == "synthetic":
+        return synthetic.SyntheticSource(vocab_size, seed)
+    raise ConfigError(f"data.source={cfg.source!r} is not valid; valid: text, bin, synthetic")
+
+
+def global_batch(
+    source: TokenSource, step: int, global_batch: int, seq_len: int, sharding: jax.sharding.Sharding
+) -> jax.Array:
+    """The step's int32 [global_batch, seq_len + 1] batch as one global array with `sharding`.
+
+    Each process computes only the rows of its addressable shards; shards that repeat the same
+    rows (replicated over non-batch axes) are computed once."""
+    shape = (global_batch, seq_len + 1)
+    all_rows = np.arange(global_batch)
+    done: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        rows_slice = index[0] if index else slice(None)
+        key = rows_slice.indices(global_batch)
+        if key not in done:
+            done[key] = source.rows(step, all_rows[rows_slice], seq_len)
+        block = done[key]
+        return block[(slice(None), *index[1:])] if len(index) > 1 else block
+
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+class DataLoader:
+    """Batches by step. There is no iterator state: the position is just the next step, so a
+    checkpoint only needs `state_dict()` (or the train step) and resuming replays nothing."""
+
+    def __init__(
+        self, source: TokenSource, global_batch: int, seq_len: int, sharding: jax.sharding.Sharding
+    ) -> None:
+        self.source = source
+        self.global_batch = global_batch
+        self.seq_len = seq_len
+        self.sharding = sharding
+        self.position = 0  # the step the next `next()` returns
+
+    def batch(self, step: int) -> jax.Array:
+        """The batch of `step` (pure: same step, same batch; does not move `position`)."""
+        return global_batch(self.source, step, self.global_batch, self.seq_len, self.sharding)
+
+    def __iter__(self) -> "DataLoader":
+        return self
+
+    def __next__(self) -> jax.Array:
+        out = self.batch(self.position)
+        self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["step"])

@@ -1,0 +1,105 @@
+"""Byte-level text: a tokenizer that needs no vocabulary file, and a corpus that needs no download.
+
+Token = byte value (vocab 256), so any text trains out of the box. With no paths given the corpus
+is the Python standard library's own sources, which every machine that runs us already has.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sysconfig
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.config import ConfigError
+
+VOCAB_SIZE = 256
+SEPARATOR = b"\n"
+TEXT_SUFFIXES = (".py", ".txt", ".md")
+DEFAULT_MAX_BYTES = 64 << 20  # the stdlib is ~30 MiB; the cap bounds memory and start-up time
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes of `text` as int32 token ids in [0, 256)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+def decode(ids: Iterable[int] | np.ndarray) -> str:
+    """Token ids back to text. Invalid UTF-8, and ids outside [0, 256) (a model with a padded
+    vocab may sample them), come out as U+FFFD instead of raising."""
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    arr = np.where((arr >= 0) & (arr < VOCAB_SIZE), arr, 0xFF)  # 0xFF is never valid UTF-8
+    return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _walk(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """Files under `root` with a wanted suffix, in a sorted (machine-independent) order."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        found.extend(Path(dirpath, f) for f in sorted(filenames) if f.endswith(suffixes))
+    return found
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's `.py` sources (site-packages skipped, so installs don't change it)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise ConfigError(
+            f"data.paths is empty and the Python standard library was not found at {root}; "
+            "set data.paths to text files or directories"
+        )
+    return _walk(root, (".py",))
+
+
+def corpus_files(paths: Sequence[str]) -> list[Path]:
+    """Expand `paths` (files, or directories searched for *.py, *.txt, *.md) in the given order;
+    empty means the standard library."""
+    if not paths:
+        return stdlib_files()
+    files: list[Path] = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = _walk(path, TEXT_SUFFIXES)
+            if not found:
+                raise ConfigError(
+                    f"data.paths entry {p!r} is a directory with no "
+                    f"{', '.join(TEXT_SUFFIXES)} files"
+                )
+            files.extend(found)
+        else:
+            raise ConfigError(
+                f"data.paths entry {p!r} does not exist; give text files or directories"
+            )
+    return files
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(paths: tuple[str, ...] = (), max_bytes: int | None = None) -> np.ndarray:
+    """All files' bytes joined by b"\\n" into one read-only uint8 array, cached per process.
+
+    `max_bytes` truncates the result (default: DEFAULT_MAX_BYTES for the stdlib corpus, no cap
+    for user paths; corpora too big for memory belong in a .bin file)."""
+    if max_bytes is None and not paths:
+        max_bytes = DEFAULT_MAX_BYTES
+    chunks: list[bytes] = []
+    total = 0
+    for f in corpus_files(paths):
+        data = f.read_bytes()
+        chunks.append(data)
+        total += len(data) + len(SEPARATOR)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    blob = SEPARATOR.join(chunks)
+    if max_bytes is not None:
+        blob = blob[:max_bytes]
+    arr = np.frombuffer(blob, dtype=np.uint8)  # bytes-backed, hence read-only: safe to share
+    if arr.size == 0:
+        raise ConfigError(f"data.paths={list(paths)!r} gives an empty corpus; give non-empty files")
+    return arr

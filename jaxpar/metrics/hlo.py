@@ -1,0 +1,254 @@
+"""Count collective-communication bytes in an optimized HLO module's text.
+
+Reads ``jax.jit(f).lower(...).compile().as_text()``: the post-SPMD-partitioning,
+per-device program, so the numbers are what *one device* moves, after XLA's
+combiners and async conversion. This is a text scan, not an HLO parser; it relies
+only on the stable instruction syntax ``%name = SHAPE opcode(operands), attr=...``.
+
+Bytes are the per-device *result* size of each op (all-gather: the gathered
+buffer; reduce-scatter: the local shard; all-reduce: the reduced buffer), which is
+a fixed, algorithm-independent proxy for traffic, not the bytes on the wire (a ring
+all-reduce sends about ``2 * (n-1)/n`` times that).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple
+
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
+
+# Bits per element. Types not listed fall back to the number in their name (f8e4m3fn -> 8).
+_DTYPE_BITS: dict[str, int] = {
+    "pred": 8, "token": 0,
+    "s2": 2, "s4": 4, "s8": 8, "s16": 16, "s32": 32, "s64": 64,
+    "u2": 2, "u4": 4, "u8": 8, "u16": 16, "u32": 32, "u64": 64,
+    "f16": 16, "bf16": 16, "f32": 32, "f64": 64,
+    "c64": 64, "c128": 128,
+}
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
+_INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
+_TRIP = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
+_CALL_ATTRS = ("calls", "to_apply", "body", "condition", "branch_computations",
+               "true_computation", "false_computation")
+
+
+class CollectiveOp(NamedTuple):
+    """One array of one collective's result. A tuple-shaped result yields one entry per element."""
+
+    kind: str  # one of COLLECTIVE_KINDS
+    dtype: str  # HLO element type, e.g. "f32", "bf16"
+    shape: tuple[int, ...]
+    bytes: int  # per-device result bytes, times the loop trip count when count_loops=True
+    replica_groups: str  # raw HLO text; source_target_pairs for collective-permute
+
+
+class _Instr(NamedTuple):
+    name: str
+    shape: str
+    opcode: str
+    operands: str
+    attrs: dict[str, str]
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the bracket group opening at ``text[start]`` (quote-aware)."""
+    depth, quote, i = 0, False, start
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                quote = False
+        elif c == '"':
+            quote = True
+        elif c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return len(text)
+
+
+def _split_attrs(text: str) -> dict[str, str]:
+    """``a=1, b={x, y}, c="s,t"`` -> {"a": "1", "b": "{x, y}", "c": '"s,t"'} (top-level commas only)."""
+    parts, depth, quote, cur, i = [], 0, False, [], 0
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\" and i + 1 < len(text):
+                cur.append(c)
+                i += 1
+                c = text[i]
+            elif c == '"':
+                quote = False
+        elif c == '"':
+            quote = True
+        elif c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            i += 1
+            continue
+        cur.append(c)
+        i += 1
+    parts.append("".join(cur))
+    out: dict[str, str] = {}
+    for p in parts:
+        key, eq, val = p.strip().partition("=")
+        if eq:
+            out[key.strip()] = val.strip()
+    return out
+
+
+def _parse_instr(rhs: str, name: str) -> _Instr | None:
+    if rhs.startswith("("):
+        end = _balanced(rhs, 0)
+    else:
+        end = rhs.find(" ")
+        end = len(rhs) if end < 0 else end
+    shape, rest = rhs[:end], rhs[end:]
+    m = _OPCODE.match(rest)
+    if not m:
+        return None
+    open_paren = m.end() - 1
+    close = _balanced(rest, open_paren)
+    operands = rest[open_paren + 1 : close - 1]
+    return _Instr(name, shape, m.group(1), operands, _split_attrs(rest[close:].lstrip(", ")))
+
+
+def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instr]], str | None]:
+    """Computation name -> its instructions, plus the ENTRY computation's name."""
+    comps: dict[str, list[_Instr]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if current is None:
+            h = _HEADER.match(line)
+            if h:
+                current = h.group(2)
+                comps[current] = []
+                if h.group(1):
+                    entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            ins = _parse_instr(m.group(2), m.group(1))
+            if ins is not None:
+                comps[current].append(ins)
+    return comps, entry
+
+
+def _dtype_bits(dtype: str) -> int:
+    if dtype in _DTYPE_BITS:
+        return _DTYPE_BITS[dtype]
+    m = re.match(r"[a-z]+?(\d+)", dtype)
+    if not m:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return int(m.group(1))
+
+
+def _arrays(shape_text: str) -> list[tuple[str, tuple[int, ...], int]]:
+    """(dtype, dims, bytes) for each array in an HLO shape; tuples are flattened."""
+    out = []
+    for dtype, dims_text in _ARRAY.findall(shape_text):
+        dims = tuple(int(d) for d in re.findall(r"\d+", dims_text))
+        out.append((dtype, dims, math.ceil(math.prod(dims) * _dtype_bits(dtype) / 8)))
+    return out
+
+
+def _names(value: str) -> list[str]:
+    return [n.lstrip("%") for n in re.findall(r"%?[\w.\-]+", value)]
+
+
+def _multipliers(comps: dict[str, list[_Instr]], entry: str | None) -> dict[str, int]:
+    """How many times each computation runs per module execution, via known while trip counts."""
+    callers: dict[str, list[tuple[str, int]]] = {c: [] for c in comps}
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            trip = 1
+            if ins.opcode == "while":
+                m = _TRIP.search(ins.attrs.get("backend_config", ""))
+                trip = int(m.group(1)) if m else 1  # unknown trip count: counted once
+            for attr in _CALL_ATTRS:
+                if attr not in ins.attrs:
+                    continue
+                factor = trip if attr in ("body", "condition") else 1
+                for callee in _names(ins.attrs[attr]):
+                    if callee in callers:
+                        callers[callee].append((comp, factor))
+    memo: dict[str, int] = {}
+
+    def mult(c: str, seen: frozenset[str] = frozenset()) -> int:
+        if c in memo:
+            return memo[c]
+        if c == entry or not callers[c] or c in seen:
+            return 1
+        memo[c] = sum(mult(p, seen | {c}) * f for p, f in callers[c])
+        return memo[c]
+
+    return {c: mult(c) for c in comps}
+
+
+def _kind(opcode: str) -> str | None:
+    """Collective kind counted for this opcode; async ``-start`` halves are skipped (the ``-done`` counts)."""
+    base = opcode[: -len("-done")] if opcode.endswith("-done") else opcode
+    return base if base in COLLECTIVE_KINDS else None
+
+
+def collective_ops(hlo_text: str, count_loops: bool = False) -> list[CollectiveOp]:
+    """Every collective in the module, one entry per result array.
+
+    Async pairs (``all-gather-start``/``all-gather-done`` ...) count once, with the
+    ``-done`` result shape (the ``-start`` tuple also holds the operand) and the
+    ``-start``'s groups. ``count_loops=True`` multiplies ops inside while-loop bodies
+    (``lax.scan``/``fori_loop``) by the trip count XLA recorded as ``known_trip_count``;
+    loops without it count once, and every branch of a conditional counts.
+    """
+    comps, entry = _parse_module(hlo_text)
+    mults = _multipliers(comps, entry) if count_loops else {}
+    ops: list[CollectiveOp] = []
+    for comp, instrs in comps.items():
+        by_name = {i.name: i for i in instrs}
+        for ins in instrs:
+            kind = _kind(ins.opcode)
+            if kind is None:
+                continue
+            src = ins
+            if ins.opcode.endswith("-done"):
+                start = next((n for n in _names(ins.operands) if n in by_name), None)
+                src = by_name.get(start, ins) if start else ins
+            groups = src.attrs.get("replica_groups") or src.attrs.get("source_target_pairs", "")
+            k = mults.get(comp, 1)
+            for dtype, dims, nbytes in _arrays(ins.shape):
+                ops.append(CollectiveOp(kind, dtype, dims, nbytes * k, groups))
+    return ops
+
+
+def collective_bytes(hlo_text: str, count_loops: bool = False) -> dict[str, int]:
+    """Per-device result bytes summed per collective kind (every kind present, 0 if unused).
+
+    See :func:`collective_ops` for what is counted and for ``count_loops``.
+    """
+    totals = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    for op in collective_ops(hlo_text, count_loops=count_loops):
+        totals[op.kind] += op.bytes
+    return totals

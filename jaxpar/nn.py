@@ -1,0 +1,86 @@
+"""What a model needs from jaxpar, in logical axis names only.
+
+- `param(...)`: an `nnx.Param` whose dims carry logical names (metadata `axes`).
+- `constrain(x, axes)`: an activation sharding hint by logical names.
+- `scan_layers(stack, x, fn)`: run a stack of layers (params with a leading `layers` dim) with
+  `lax.scan`; the train step hooks in here to gather ZeRO-3 shards per layer, cast to the compute
+  dtype and apply the remat policy, so the model itself stays free of parallelism.
+Outside a jaxpar step every hook is the identity and the model runs as plain JAX.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+AxisNames = tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class Context:
+    constrain: Callable[[jax.Array, AxisNames], jax.Array] = lambda x, axes: x
+    layer_params: Callable[[Any], Any] = lambda state: state  # one layer's nnx.State -> ready params
+    remat: str = "none"
+
+
+_CTX: contextvars.ContextVar[Context] = contextvars.ContextVar("jaxpar_nn", default=Context())
+
+
+@contextlib.contextmanager
+def use_context(ctx: Context):
+    token = _CTX.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CTX.reset(token)
+
+
+def current() -> Context:
+    return _CTX.get()
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: AxisNames, *, std: float | None = 0.02,
+          ones: bool = False, dtype=jnp.float32) -> nnx.Param:
+    """A parameter with logical axis names. `ones` for norm scales, else normal(std)."""
+    if len(shape) != len(axes):
+        raise ValueError(f"shape {shape} and axes {axes} differ in length")
+    if ones:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+def axes_of(variable: nnx.Variable) -> AxisNames | None:
+    return variable.get_metadata().get("axes")
+
+
+def constrain(x: jax.Array, axes: AxisNames) -> jax.Array:
+    return _CTX.get().constrain(x, axes)
+
+
+REMAT_POLICIES: dict[str, Any] = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def scan_layers(stack: nnx.Module, carry: Any, fn: Callable[[nnx.Module, Any], Any]) -> Any:
+    """carry = fn(layer, carry) for each layer of `stack` (params stacked on a leading dim)."""
+    ctx = _CTX.get()
+    graphdef, state = nnx.split(stack)
+
+    def body(c, layer_state):
+        layer = nnx.merge(graphdef, ctx.layer_params(layer_state))
+        return fn(layer, c), None
+
+    if ctx.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[ctx.remat], prevent_cse=False)
+    carry, _ = jax.lax.scan(body, carry, state)
+    return carry

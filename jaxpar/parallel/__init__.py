@@ -1,0 +1,1 @@
+"""One module per parallel strategy; the train step composes them."""

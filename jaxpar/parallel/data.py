@@ -1,0 +1,88 @@
+"""Data parallelism and ZeRO-1/2/3 over the batch axes, with explicit collectives.
+
+The loss and gradients run inside a `shard_map` that is manual over the batch axes (data, fsdp,
+...), so each device sees its own slice of the batch and produces *local* gradients; this module
+decides how they are reduced:
+  - ZeRO-0/1: accumulate local gradients over microbatches, then one all-reduce (psum);
+  - ZeRO-2:   reduce-scatter each microbatch's gradients over `fsdp` (so the accumulator is
+              sharded), then all-reduce the shards over the remaining batch axes;
+  - ZeRO-3:   parameters arrive sharded over `fsdp`; each layer's weights are all-gathered just
+              before use (again in the backward, under remat), and the transpose of that
+              all-gather is the reduce-scatter of their gradients.
+Plain GSPMD would all-reduce and then slice; here the bytes on the wire match the ZeRO paper.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.nn import axes_of
+from jaxpar.sharding import ZERO_AXIS, Plan
+
+
+def sharded_dims(spec: P, axes: set[str] | frozenset[str]) -> list[tuple[int, tuple[str, ...]]]:
+    """[(dim, mesh axes)] for the dims of `spec` that use any of `axes`."""
+    out = []
+    for i, entry in enumerate(spec):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        hit = tuple(a for a in names if a in axes)
+        if hit:
+            out.append((i, hit))
+    return out
+
+
+def _gather(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]]) -> jax.Array:
+    for dim, names in dims:
+        x = jax.lax.all_gather(x, names, axis=dim, tiled=True)
+    return x
+
+
+def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callable:
+    """Returns prepare(state, stacked) -> state: cast each param to the compute dtype and, at
+    ZeRO-3, all-gather its `fsdp` shards. The gather sits in its own remat, so the backward
+    gathers again instead of keeping whole weights alive (ZeRO-3's 2 gathers + 1 reduce-scatter).
+    """
+    gather_axes = {ZERO_AXIS} & manual if plan.zero_stage >= 3 else set()
+
+    def prepare_leaf(var: nnx.Variable, stacked: bool):
+        x = var.value
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != compute_dtype:
+            x = x.astype(compute_dtype)
+        axes = axes_of(var)
+        if gather_axes and axes is not None:
+            axes = tuple(axes[1:]) if stacked else tuple(axes)
+            dims = sharded_dims(plan.spec(axes, None, "param"), gather_axes)
+            if dims:
+                x = jax.checkpoint(lambda y: _gather(y, dims))(x)
+        return var.replace(x)
+
+    def prepare(state, stacked: bool):
+        return jax.tree.map(lambda v: prepare_leaf(v, stacked), state,
+                            is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    return prepare
+
+
+def scatter_microbatch_grads(grads, grad_specs, plan: Plan, manual: frozenset[str]):
+    """ZeRO-2: reduce-scatter each microbatch's gradients over `fsdp` as soon as they exist."""
+    if plan.zero_stage != 2 or ZERO_AXIS not in manual:
+        return grads
+
+    def scatter(g, spec):
+        for dim, names in sharded_dims(spec, {ZERO_AXIS}):
+            g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+        return g
+
+    return jax.tree.map(scatter, grads, grad_specs)
+
+
+def reduce_final_grads(grads, grad_specs, manual: frozenset[str]):
+    """All-reduce over the batch axes a gradient is not already sharded (scattered) over."""
+    def reduce(g, spec):
+        done = {a for _, names in sharded_dims(spec, manual) for a in names}
+        rest = tuple(sorted(a for a in manual if a not in done))
+        return jax.lax.psum(g, rest) if rest else g
+
+    return jax.tree.map(reduce, grads, grad_specs)

@@ -1,0 +1,46 @@
+"""Megatron-style tensor parallelism, expressed as logical-axis rules.
+
+Column-parallel weights shard their output dim (`heads`, `kv_heads`, `mlp`, `vocab` -> `tensor`),
+row-parallel weights their input dim (`wo`'s heads, `w_down`'s mlp), so each attention/MLP block
+needs one reduction of its output. With `sharding.sequence_parallel`, the residual stream between
+blocks is sharded over `tensor` along the sequence (`residual_seq`), turning that all-reduce into a
+reduce-scatter + all-gather and splitting the norms' work. The compiler inserts the collectives;
+this module only pins activations to the plan.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.sharding import Plan
+
+
+def drop_axes(spec: P, axes: frozenset[str] | set[str]) -> P:
+    def keep(entry):
+        if entry is None:
+            return None
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in names if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*(keep(e) for e in spec))
+
+
+def activation_constrainer(plan: Plan, manual: frozenset[str]) -> Callable:
+    """constrain(x, logical_axes) for code running inside a shard_map manual over `manual`.
+
+    Only the compiler-managed axes (tensor, ...) are constrained; the manual ones are already
+    local to each device.
+    """
+    auto = [a for a, n in plan.mesh.shape.items() if a not in manual and n > 1]
+    if not auto:
+        return lambda x, axes: x
+
+    def constrain(x: jax.Array, axes) -> jax.Array:
+        if len(axes) != x.ndim:
+            raise ValueError(f"constrain: axes {axes} do not match an array of rank {x.ndim}")
+        spec = drop_axes(plan.spec(tuple(axes), None, use="act"), manual)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
+
+    return constrain

@@ -1,0 +1,128 @@
+"""Logical axis names -> mesh PartitionSpecs, and what each ZeRO stage shards over `fsdp`.
+
+The model names its dims (`embed`, `heads`, `mlp`, ...); a rules table maps each name to mesh axes.
+The same parameter gets a different spec depending on what it is used for:
+  - params:     `fsdp` kept only at ZeRO-3,
+  - opt state:  `fsdp` kept from ZeRO-1,
+  - gradients:  `fsdp` kept from ZeRO-2 (reduce-scattered, not all-reduced).
+The plan is data you can print (`Plan.table`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar.config import ConfigError
+
+Use = Literal["param", "opt", "grad", "act"]
+ZERO_AXIS = "fsdp"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sharding plan: mesh + logical rules + ZeRO stage."""
+
+    mesh: Mesh
+    rules: dict[str, tuple[str, ...]]
+    zero_stage: int = 1
+    replicated_tolerance: float = 0.05
+    manual: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.rules.get("batch", ()) if a in self.mesh.shape)
+
+    @property
+    def batch_size_divisor(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    def _keeps(self, use: Use) -> bool:
+        """Whether `fsdp` sharding of a parameter dim is kept for this use."""
+        return {"param": 3, "grad": 2, "opt": 1, "act": 0}[use] <= self.zero_stage
+
+    def spec(self, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
+             use: Use = "param", name: str = "") -> P:
+        """The PartitionSpec of an array whose dims are named `axes`."""
+        used: set[str] = set()
+        out = []
+        for i, logical in enumerate(axes):
+            mesh_axes = []
+            for a in self.rules.get(logical, ()) if logical else ():
+                if use != "act" and a == ZERO_AXIS and not self._keeps(use):
+                    continue
+                if self.mesh.shape.get(a, 1) == 1 or a in used:
+                    continue
+                mesh_axes.append(a)
+            if shape is not None and mesh_axes:
+                n = math.prod(self.mesh.shape[a] for a in mesh_axes)
+                if shape[i] % n:
+                    raise ConfigError(
+                        f"{name or 'array'}: dim {i} ({logical!r}) has size {shape[i]}, not divisible "
+                        f"by mesh axes {'x'.join(mesh_axes)} = {n}; change the model size or the mesh"
+                    )
+            used.update(mesh_axes)
+            out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes))
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def tree_specs(self, axes_tree, shapes_tree, use: Use):
+        """Specs for a pytree of params given matching trees of logical axes and shapes."""
+        return jax.tree.map(
+            lambda ax, sh: self.spec(ax, sh.shape, use),
+            axes_tree, shapes_tree, is_leaf=lambda x: isinstance(x, tuple),
+        )
+
+    def batch_spec(self) -> P:
+        return P(self.batch_axes or None)
+
+    def manual_part(self, spec: P, manual: tuple[str, ...]) -> P:
+        """Keep only the manual axes of a spec (shard_map in/out specs)."""
+        def keep(entry):
+            if entry is None:
+                return None
+            names = (entry,) if isinstance(entry, str) else tuple(entry)
+            kept = tuple(a for a in names if a in manual)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+        return P(*(keep(e) for e in spec))
+
+
+def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...], int]]) -> dict:
+    """Fail when more than the tolerance of parameter bytes is replicated against the plan.
+
+    `named_specs` maps a param path to (spec, shape, itemsize). Only meaningful when the plan
+    shards parameters at all (some param axis of size > 1); a param counts as replicated when
+    its spec shards none of its dims.
+    """
+    total = sum(math.prod(sh) * isz for _, sh, isz in named_specs.values())
+    sharded_any = any(any(e is not None for e in s) for s, _, _ in named_specs.values())
+    repl = {n: math.prod(sh) * isz for n, (s, sh, isz) in named_specs.items()
+            if all(e is None for e in s)}
+    frac = sum(repl.values()) / max(total, 1)
+    report = {"param_bytes": total, "replicated_bytes": sum(repl.values()), "replicated_fraction": frac}
+    if sharded_any and frac > plan.replicated_tolerance:
+        worst = sorted(repl.items(), key=lambda kv: -kv[1])[:5]
+        listing = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for n, b in worst)
+        raise ConfigError(
+            f"{frac:.1%} of parameter bytes are replicated, above sharding.replicated_tolerance="
+            f"{plan.replicated_tolerance}; largest: {listing}. Check sharding.rules for their axes."
+        )
+    return report
+
+
+def per_device_bytes(arrays) -> int:
+    """Bytes one device holds of a pytree of (possibly sharded) arrays or ShapeDtypeStructs."""
+    total = 0
+    for x in jax.tree.leaves(arrays):
+        sh = getattr(x, "sharding", None)
+        shape = sh.shard_shape(x.shape) if sh is not None else x.shape
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return total

@@ -1,0 +1,30 @@
+"""AdamW with warmup + cosine, global-norm clipping and a weight-decay mask (no decay on norms,
+biases or any 1-D parameter)."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxpar.config import OptimizerConfig
+
+
+def schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    decay = max(cfg.decay_steps or total_steps, cfg.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=decay, end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def decay_mask(axes_tree: dict) -> dict:
+    return jax.tree.map(lambda ax: len(ax) >= 2 and "norm" not in ax and "bias" not in ax,
+                        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def build_optimizer(cfg: OptimizerConfig, total_steps: int, axes_tree: dict) -> optax.GradientTransformation:
+    parts = []
+    if cfg.clip_norm is not None:
+        parts.append(optax.clip_by_global_norm(cfg.clip_norm))
+    parts.append(optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, mask=decay_mask(axes_tree)))
+    return optax.chain(*parts)

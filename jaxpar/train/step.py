@@ -1,0 +1,146 @@
+"""The train step: one jit that composes the parallel strategies.
+
+   shard_map (manual over the batch axes; tensor & co. left to the compiler)
+     for each microbatch: forward + backward of the local slice (ZeRO-3 gathers per layer)
+                          ZeRO-2 reduce-scatters the microbatch gradients
+     all-reduce what is left over the batch axes
+   optimizer update on (possibly fsdp-sharded) optimizer state; params come out in their plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar import nn
+from jaxpar.parallel.data import param_preparer, reduce_final_grads, scatter_microbatch_grads
+from jaxpar.parallel.tensor import activation_constrainer
+from jaxpar.sharding import Plan
+from jaxpar.train.model import ModelDef
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Summed token NLL in float32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).sum()
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """Everything the step needs to know about layout, as data."""
+
+    param_specs: Any
+    grad_specs: Any
+    opt_shardings: Any
+    state_shardings: Any
+    batch_sharding: NamedSharding
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple)
+
+
+def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation) -> StepSpec:
+    param_specs = jax.tree.map(lambda ax, s: plan.spec(ax, s.shape, "param"), model.axes, model.shapes,
+                               is_leaf=_is_axes)
+    grad_specs = jax.tree.map(lambda ax, s: plan.spec(ax, s.shape, "grad"), model.axes, model.shapes,
+                              is_leaf=_is_axes)
+    opt_param_specs = jax.tree.map(lambda ax, s: plan.spec(ax, s.shape, "opt"), model.axes, model.shapes,
+                                   is_leaf=_is_axes)
+    abstract_opt = jax.eval_shape(tx.init, model.shapes)
+    to_sh = lambda spec: plan.sharding(spec)
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, spec: to_sh(spec), abstract_opt, opt_param_specs,
+        transform_non_params=lambda _: to_sh(P()), is_leaf=lambda x: isinstance(x, P),
+    )
+    state_shardings = {
+        "step": to_sh(P()),
+        "params": jax.tree.map(to_sh, param_specs, is_leaf=lambda x: isinstance(x, P)),
+        "opt_state": opt_shardings,
+    }
+    return StepSpec(param_specs, grad_specs, opt_shardings, state_shardings,
+                    plan.sharding(plan.batch_spec()))
+
+
+def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int], dict]:
+    """init(seed) -> train state, placed by the plan (each device builds only its shards)."""
+    def init(seed):
+        params = model.init(seed)
+        params = jax.tree.map(lambda x: x.astype(param_dtype), params)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    return jax.jit(init, static_argnums=0, out_shardings=spec.state_shardings)
+
+
+def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int,
+                    compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
+                    loss_sum_fn: Callable = cross_entropy_sum):
+    """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
+    [batch, seq+1] int array sharded over the batch axes."""
+    manual = frozenset(plan.batch_axes)
+    cdt = DTYPES[compute_dtype]
+    prepare = param_preparer(plan, manual, cdt)
+    ctx = nn.Context(constrain=activation_constrainer(plan, manual),
+                     layer_params=lambda st: prepare(st, stacked=True), remat=remat)
+    is_spec = lambda x: isinstance(x, P)
+    param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.param_specs, is_leaf=is_spec)
+    grad_out = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.grad_specs, is_leaf=is_spec)
+
+    def local_loss(params, tokens, n_tokens):
+        state = model.state(params)
+        stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
+        state = _prepare_top(state, prepare, stacked)
+        with nn.use_context(ctx):
+            logits = model.merge(state)(tokens[:, :-1])
+        return loss_sum_fn(logits, tokens[:, 1:]) / n_tokens
+
+    def local_grads(params, tokens):
+        n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * plan.batch_size_divisor
+        mbs = tokens.reshape(grad_accum, tokens.shape[0] // grad_accum, tokens.shape[1])
+
+        def body(acc, mb):
+            loss, g = jax.value_and_grad(local_loss)(params, mb, n_tokens)
+            g = scatter_microbatch_grads(g, grad_out, plan, manual)
+            return jax.tree.map(jnp.add, acc, g), loss
+
+        zeros = jax.eval_shape(lambda: scatter_microbatch_grads(
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_out, plan, manual))
+        acc0 = jax.tree.map(lambda z, p: jnp.zeros(z.shape, p.dtype), zeros, params)
+        grads, losses = jax.lax.scan(body, acc0, mbs)
+        grads = reduce_final_grads(grads, grad_out, manual)
+        return jax.lax.psum(losses.sum(), tuple(manual)), grads
+
+    sharded_grads = jax.shard_map(
+        local_grads, mesh=plan.mesh, in_specs=(param_in, plan.batch_spec()),
+        out_specs=(P(), grad_out), axis_names=set(manual), check_vma=False,
+    )
+    grad_shardings = jax.tree.map(plan.sharding, spec.grad_specs, is_leaf=is_spec)
+
+    def step(state, tokens):
+        loss, grads = sharded_grads(state["params"], tokens)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        if lr_schedule is not None:
+            metrics["lr"] = lr_schedule(state["step"])
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
+                   out_shardings=(spec.state_shardings, None), donate_argnums=0)
+
+
+def _prepare_top(state, prepare, stacked_paths: set[str]):
+    """Cast/gather the params used outside the layer scan (embeddings, final norm, head)."""
+    from flax import nnx
+    flat = nnx.to_flat_state(state)
+    items = []
+    for path, var in flat:
+        key = "/".join(map(str, path))
+        items.append((path, var if key in stacked_paths else prepare({"v": var}, stacked=False)["v"]))
+    return nnx.from_flat_state(items)
