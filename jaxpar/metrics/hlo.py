@@ -39,8 +39,11 @@ _INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
 _TRIP = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
-_CALL_ATTRS = ("calls", "to_apply", "body", "condition", "branch_computations",
-               "true_computation", "false_computation")
+# Attributes naming called computations: `body=%b`, `calls=%f`, `branch_computations={%x, %y}`.
+_CALL = re.compile(
+    r"\b(calls|to_apply|body|condition|branch_computations|true_computation|false_computation)"
+    r"=(\{[^}]*\}|%?[\w.\-]+)"
+)
 
 
 class CollectiveOp(NamedTuple):
@@ -57,8 +60,7 @@ class _Instr(NamedTuple):
     name: str
     shape: str
     opcode: str
-    operands: str
-    attrs: dict[str, str]
+    rest: str  # "(operands), attr=..., ..." unparsed: most instructions are never looked at again
 
 
 def _balanced(text: str, start: int) -> int:
@@ -117,6 +119,12 @@ def _split_attrs(text: str) -> dict[str, str]:
     return out
 
 
+def _operands_attrs(ins: _Instr) -> tuple[str, dict[str, str]]:
+    """Full parse of one instruction's operand list and attributes (slow; collectives only)."""
+    close = _balanced(ins.rest, 0)
+    return ins.rest[1 : close - 1], _split_attrs(ins.rest[close:].lstrip(", "))
+
+
 def _parse_instr(rhs: str, name: str) -> _Instr | None:
     if rhs.startswith("("):
         end = _balanced(rhs, 0)
@@ -127,10 +135,7 @@ def _parse_instr(rhs: str, name: str) -> _Instr | None:
     m = _OPCODE.match(rest)
     if not m:
         return None
-    open_paren = m.end() - 1
-    close = _balanced(rest, open_paren)
-    operands = rest[open_paren + 1 : close - 1]
-    return _Instr(name, shape, m.group(1), operands, _split_attrs(rest[close:].lstrip(", ")))
+    return _Instr(name, shape, m.group(1), rest[m.end() - 1 :])
 
 
 def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instr]], str | None]:
@@ -186,13 +191,11 @@ def _multipliers(comps: dict[str, list[_Instr]], entry: str | None) -> dict[str,
         for ins in instrs:
             trip = 1
             if ins.opcode == "while":
-                m = _TRIP.search(ins.attrs.get("backend_config", ""))
+                m = _TRIP.search(ins.rest)
                 trip = int(m.group(1)) if m else 1  # unknown trip count: counted once
-            for attr in _CALL_ATTRS:
-                if attr not in ins.attrs:
-                    continue
+            for attr, value in _CALL.findall(ins.rest):
                 factor = trip if attr in ("body", "condition") else 1
-                for callee in _names(ins.attrs[attr]):
+                for callee in _names(value):
                     if callee in callers:
                         callers[callee].append((comp, factor))
     memo: dict[str, int] = {}
@@ -232,11 +235,12 @@ def collective_ops(hlo_text: str, count_loops: bool = False) -> list[CollectiveO
             kind = _kind(ins.opcode)
             if kind is None:
                 continue
-            src = ins
-            if ins.opcode.endswith("-done"):
-                start = next((n for n in _names(ins.operands) if n in by_name), None)
-                src = by_name.get(start, ins) if start else ins
-            groups = src.attrs.get("replica_groups") or src.attrs.get("source_target_pairs", "")
+            operands, attrs = _operands_attrs(ins)
+            if ins.opcode.endswith("-done"):  # groups live on the matching -start
+                start = next((n for n in _names(operands) if n in by_name), None)
+                if start is not None:
+                    attrs = _operands_attrs(by_name[start])[1]
+            groups = attrs.get("replica_groups") or attrs.get("source_target_pairs", "")
             k = mults.get(comp, 1)
             for dtype, dims, nbytes in _arrays(ins.shape):
                 ops.append(CollectiveOp(kind, dtype, dims, nbytes * k, groups))
