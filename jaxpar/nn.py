@@ -26,6 +26,7 @@ class Context:
     constrain: Callable[[jax.Array, AxisNames], jax.Array] = lambda x, axes: x
     layer_params: Callable[[Any], Any] = lambda state: state  # one layer's nnx.State -> ready params
     remat: str = "none"
+    never_save: tuple[str, ...] = ()  # checkpoint names the backward must recompute (ZeRO-3 gathers)
 
 
 _CTX: contextvars.ContextVar[Context] = contextvars.ContextVar("jaxpar_nn", default=Context())
@@ -65,6 +66,7 @@ def constrain(x: jax.Array, axes: AxisNames) -> jax.Array:
 
 
 REMAT_POLICIES: dict[str, Any] = {
+    "none": jax.checkpoint_policies.everything_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -80,7 +82,21 @@ def scan_layers(stack: nnx.Module, carry: Any, fn: Callable[[nnx.Module, Any], A
         layer = nnx.merge(graphdef, ctx.layer_params(layer_state))
         return fn(layer, c), None
 
-    if ctx.remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[ctx.remat], prevent_cse=False)
+    if ctx.remat != "none" or ctx.never_save:
+        body = jax.checkpoint(body, policy=_policy(ctx.remat, ctx.never_save), prevent_cse=False)
     carry, _ = jax.lax.scan(body, carry, state)
     return carry
+
+
+def _policy(remat: str, never_save: tuple[str, ...]):
+    base = REMAT_POLICIES[remat]
+    if not never_save:
+        return base
+
+    def policy(prim, *args, **params):
+        # A named value must be recomputed, and so must the gather that produced it.
+        if prim.name == "all_gather" or (prim.name == "name" and params.get("name") in never_save):
+            return False
+        return base(prim, *args, **params)
+
+    return policy

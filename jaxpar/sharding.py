@@ -41,6 +41,14 @@ class Plan:
     def batch_size_divisor(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
+    @property
+    def shards_params(self) -> bool:
+        """Whether the plan means to shard parameters at all (so replication is a mistake)."""
+        shape = self.mesh.shape
+        if self.zero_stage >= 3 and shape.get(ZERO_AXIS, 1) > 1:
+            return True
+        return any(shape.get(a, 1) > 1 for a in ("tensor", "pipeline", "expert"))
+
     def _keeps(self, use: Use) -> bool:
         """Whether `fsdp` sharding of a parameter dim is kept for this use."""
         return {"param": 3, "grad": 2, "opt": 1, "act": 0}[use] <= self.zero_stage
@@ -99,11 +107,11 @@ def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...
     """Fail when more than the tolerance of parameter bytes is replicated against the plan.
 
     `named_specs` maps a param path to (spec, shape, itemsize). Only meaningful when the plan
-    shards parameters at all (some param axis of size > 1); a param counts as replicated when
-    its spec shards none of its dims.
+    shards parameters at all (ZeRO-3 over fsdp, or tensor/pipeline/expert > 1); a param counts
+    as replicated when its spec shards none of its dims.
     """
     total = sum(math.prod(sh) * isz for _, sh, isz in named_specs.values())
-    sharded_any = any(any(e is not None for e in s) for s, _, _ in named_specs.values())
+    sharded_any = plan.shards_params
     repl = {n: math.prod(sh) * isz for n, (s, sh, isz) in named_specs.items()
             if all(e is None for e in s)}
     frac = sum(repl.values()) / max(total, 1)

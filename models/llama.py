@@ -67,26 +67,26 @@ class Block(nnx.Module):
         self.w_down = param(rngs, (L, F, D), ("layers", "mlp", "embed"), std=out_std)
 
     def attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        q = jnp.einsum("bsd,dhk->bshk", h, self.wq.value)
-        k = jnp.einsum("bsd,dhk->bshk", h, self.wk.value)
-        v = jnp.einsum("bsd,dhk->bshk", h, self.wv.value)
+        q = jnp.einsum("bsd,dhk->bshk", h, self.wq[...])
+        k = jnp.einsum("bsd,dhk->bshk", h, self.wk[...])
+        v = jnp.einsum("bsd,dhk->bshk", h, self.wv[...])
         q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("bshk,hkd->bsd", o, self.wo.value)
+        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...])
 
     def mlp(self, h: jax.Array) -> jax.Array:
-        g = jnp.einsum("bsd,df->bsf", h, self.w_gate.value)
-        u = jnp.einsum("bsd,df->bsf", h, self.w_up.value)
+        g = jnp.einsum("bsd,df->bsf", h, self.w_gate[...])
+        u = jnp.einsum("bsd,df->bsf", h, self.w_up[...])
         a = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
-        return jnp.einsum("bsf,fd->bsd", a, self.w_down.value)
+        return jnp.einsum("bsf,fd->bsd", a, self.w_down[...])
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        x = x + self.attention(rms_norm(x, self.attn_norm.value, self.eps), cos, sin)
+        x = x + self.attention(rms_norm(x, self.attn_norm[...], self.eps), cos, sin)
         x = constrain(x, RESIDUAL)
-        x = x + self.mlp(rms_norm(x, self.mlp_norm.value, self.eps))
+        x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
         return constrain(x, RESIDUAL)
 
 
@@ -104,11 +104,11 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        x = constrain(jnp.take(self.embed.value, tokens, axis=0), RESIDUAL)
+        x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta)
         x = scan_layers(self.layers, x, lambda layer, h: layer(h, cos, sin))
-        x = rms_norm(x, self.norm.value, cfg.norm_eps)
-        w = self.embed.value.T if cfg.tie_embeddings else self.head.value
+        x = rms_norm(x, self.norm[...], cfg.norm_eps)
+        w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         return constrain(jnp.einsum("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))
 
 

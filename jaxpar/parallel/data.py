@@ -18,7 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jax.ad_checkpoint import checkpoint_name
+
 from jaxpar.nn import axes_of
+
+GATHERED = "jaxpar_zero3_gathered"
 from jaxpar.sharding import ZERO_AXIS, Plan
 
 
@@ -41,13 +45,14 @@ def _gather(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]]) -> jax.Array:
 
 def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callable:
     """Returns prepare(state, stacked) -> state: cast each param to the compute dtype and, at
-    ZeRO-3, all-gather its `fsdp` shards. The gather sits in its own remat, so the backward
-    gathers again instead of keeping whole weights alive (ZeRO-3's 2 gathers + 1 reduce-scatter).
+    ZeRO-3, all-gather its `fsdp` shards. The gathered weights are named GATHERED, which the
+    layer scan's remat policy never saves: the backward gathers again instead of keeping whole
+    weights alive (ZeRO-3's 2 gathers + 1 reduce-scatter per layer).
     """
     gather_axes = {ZERO_AXIS} & manual if plan.zero_stage >= 3 else set()
 
     def prepare_leaf(var: nnx.Variable, stacked: bool):
-        x = var.value
+        x = var[...]
         if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != compute_dtype:
             x = x.astype(compute_dtype)
         axes = axes_of(var)
@@ -55,7 +60,7 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callabl
             axes = tuple(axes[1:]) if stacked else tuple(axes)
             dims = sharded_dims(plan.spec(axes, None, "param"), gather_axes)
             if dims:
-                x = jax.checkpoint(lambda y: _gather(y, dims))(x)
+                x = checkpoint_name(_gather(x, dims), GATHERED)
         return var.replace(x)
 
     def prepare(state, stacked: bool):
@@ -78,11 +83,12 @@ def scatter_microbatch_grads(grads, grad_specs, plan: Plan, manual: frozenset[st
     return jax.tree.map(scatter, grads, grad_specs)
 
 
-def reduce_final_grads(grads, grad_specs, manual: frozenset[str]):
-    """All-reduce over the batch axes a gradient is not already sharded (scattered) over."""
+def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[str, int]):
+    """All-reduce over the batch axes a gradient is not already sharded (scattered) over
+    (axes of size 1 move nothing and are skipped)."""
     def reduce(g, spec):
         done = {a for _, names in sharded_dims(spec, manual) for a in names}
-        rest = tuple(sorted(a for a in manual if a not in done))
+        rest = tuple(sorted(a for a in manual if a not in done and sizes[a] > 1))
         return jax.lax.psum(g, rest) if rest else g
 
     return jax.tree.map(reduce, grads, grad_specs)

@@ -14,6 +14,11 @@ from flax import nnx
 from jaxpar.nn import axes_of
 
 
+def pure_dict(state) -> dict:
+    """nnx.State -> nested dict of arrays (across flax versions)."""
+    return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
+
+
 def _nest(flat: dict[tuple, Any]) -> dict:
     out: dict = {}
     for path, v in flat.items():
@@ -40,7 +45,7 @@ class ModelDef:
         axes, shapes = {}, {}
         for path, var in flat.items():
             ax = axes_of(var)
-            val = var.value
+            val = var.get_value() if hasattr(var, "get_value") else var.value
             if ax is None:
                 ax = (None,) * len(val.shape)
             if len(ax) != len(val.shape):
@@ -57,7 +62,7 @@ class ModelDef:
     def init(self, seed: int) -> dict:
         """Fresh params as a pure dict (call under jit with out_shardings to place them)."""
         module = self.factory(nnx.Rngs(seed))
-        return nnx.split(module, nnx.Param)[1].to_pure_dict()
+        return pure_dict(nnx.split(module, nnx.Param)[1])
 
     def state(self, params: dict):
         """An nnx.State of Variables (with metadata) holding `params`."""

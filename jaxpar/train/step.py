@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import nn
-from jaxpar.parallel.data import param_preparer, reduce_final_grads, scatter_microbatch_grads
+from jaxpar.parallel.data import GATHERED, param_preparer, reduce_final_grads, scatter_microbatch_grads
 from jaxpar.parallel.tensor import activation_constrainer
 from jaxpar.sharding import Plan
 from jaxpar.train.model import ModelDef
@@ -85,7 +85,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     cdt = DTYPES[compute_dtype]
     prepare = param_preparer(plan, manual, cdt)
     ctx = nn.Context(constrain=activation_constrainer(plan, manual),
-                     layer_params=lambda st: prepare(st, stacked=True), remat=remat)
+                     layer_params=lambda st: prepare(st, stacked=True), remat=remat,
+                     never_save=(GATHERED,) if plan.zero_stage >= 3 else ())
     is_spec = lambda x: isinstance(x, P)
     param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.param_specs, is_leaf=is_spec)
     grad_out = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.grad_specs, is_leaf=is_spec)
@@ -111,8 +112,9 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_out, plan, manual))
         acc0 = jax.tree.map(lambda z, p: jnp.zeros(z.shape, p.dtype), zeros, params)
         grads, losses = jax.lax.scan(body, acc0, mbs)
-        grads = reduce_final_grads(grads, grad_out, manual)
-        return jax.lax.psum(losses.sum(), tuple(manual)), grads
+        grads = reduce_final_grads(grads, grad_out, manual, plan.mesh.shape)
+        busy = tuple(a for a in manual if plan.mesh.shape[a] > 1)
+        return (jax.lax.psum(losses.sum(), busy) if busy else losses.sum()), grads
 
     sharded_grads = jax.shard_map(
         local_grads, mesh=plan.mesh, in_specs=(param_in, plan.batch_spec()),
@@ -123,7 +125,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     def step(state, tokens):
         loss, grads = sharded_grads(state["params"], tokens)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": grad_norm}

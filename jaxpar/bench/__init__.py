@@ -1,0 +1,63 @@
+"""`jaxpar bench NAME [CONFIG] [overrides...] [--json]`: benchmarks that print figures.
+
+  overhead  jaxpar's compiled step vs a minimal hand-written `jax.jit` step of the same model
+  memory    per-device params / grads / optimizer state / temp bytes per ZeRO stage vs the paper
+  comm      bytes per collective kind per step (from the compiled HLO) vs the analytic minimum
+
+The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
+benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
+benchmark module has `LAYOUT` (its default overrides), `run(cfg) -> dict` (JSON-able) and
+`format_result(result) -> str` (the table).
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from jaxpar.bench.common import build_config, check_name
+
+BENCHMARKS: dict[str, str] = {
+    "overhead": "jaxpar.bench.overhead",
+    "memory": "jaxpar.bench.memory",
+    "comm": "jaxpar.bench.comm",
+}
+
+
+def get(name: str):
+    """The benchmark module called `name` (ConfigError listing the valid names otherwise)."""
+    check_name(name, BENCHMARKS)
+    return importlib.import_module(BENCHMARKS[name])
+
+
+def load(name: str, config_path: str | Path | None = None, overrides: Sequence[str] = ()):
+    """(module, resolved config) for benchmark `name`."""
+    mod = get(name)
+    return mod, build_config(config_path, mod.LAYOUT, overrides)
+
+
+def run_bench(name: str, config_path: str | None, overrides: Sequence[str], as_json: bool = False,
+              out: Callable[[str], None] | None = None) -> int:
+    """What the CLI runs. Prints the table, or with `as_json` one JSON document, on stdout."""
+    overrides = list(overrides)
+    # `jaxpar bench comm model.n_layers=2`: argparse takes the first override for CONFIG.
+    if config_path is not None and "=" in config_path and not Path(config_path).is_file():
+        overrides.insert(0, config_path)
+        config_path = None
+    mod, cfg = load(name, config_path, overrides)
+    from jaxpar.xla import apply_xla_flags
+    apply_xla_flags(cfg.xla)
+    log = (lambda s: print(s, file=sys.stderr)) if as_json else (lambda s: None)
+    result = mod.run(cfg, log=log)
+    result = {"benchmark": name, **result}
+    out = out or print
+    if as_json:
+        out(json.dumps(result, indent=2, sort_keys=False))
+    else:
+        out(mod.format_result(result))
+    return 0
+
+
+__all__ = ["BENCHMARKS", "get", "load", "run_bench"]

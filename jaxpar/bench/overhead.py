@@ -1,0 +1,176 @@
+"""`jaxpar bench overhead`: jaxpar's compiled step vs a minimal hand-written `jax.jit` step.
+
+The baseline is what one would write without jaxpar: the same `models.llama.Llama` (nnx, same
+seed, so the same initial params), `jax.value_and_grad` of the mean token cross-entropy, and
+optax clip-by-global-norm + AdamW with the config's schedule and hyperparameters (no decay on
+norms, like jaxpar), in one `jax.jit` whose params and optimizer state are replicated and whose
+batch has jaxpar's batch sharding, on the same mesh, with the same batch. GSPMD inserts the
+gradient all-reduce. Both steps donate their state.
+
+Default layout: pure data parallel (mesh data=-1, zero_stage 0), the like-for-like case; with
+other layouts (overrides) the baseline stays replicated-params data parallel.
+
+Timing: `warmup` steps of each, then `train.steps` steps alternating jaxpar / baseline (so load
+from other processes hits both alike), each timed to `block_until_ready`. Reported: the median
+step time of each and jaxpar / baseline (target <= 1.05).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar import nn
+from jaxpar.bench.common import describe_config, fmt_ratio, mesh_overrides, table
+from jaxpar.config import Config
+from jaxpar.mesh import describe
+
+LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0"]
+TARGET = 1.05
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def build_baseline(cfg: Config, mesh, batch_sharding: NamedSharding):
+    """(init() -> (params, opt_state), jitted step(params, opt_state, tokens)) written by hand."""
+    from models.llama import Llama
+
+    t, o = cfg.train, cfg.optimizer
+    seed, pdt, cdt = t.seed, DTYPES[t.param_dtype], DTYPES[t.compute_dtype]
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg.model, nnx.Rngs(seed))), nnx.Param)
+    lr = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
+        decay_steps=max(o.decay_steps or t.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p: p.ndim >= 2 and "norm" not in jax.tree_util.keystr(path), params)
+
+    tx = optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    if o.clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
+    repl = NamedSharding(mesh, P())
+
+    def init():
+        params = nnx.split(Llama(cfg.model, nnx.Rngs(seed)), nnx.Param)[1].to_pure_dict()
+        params = jax.tree.map(lambda x: x.astype(pdt), params)
+        return params, tx.init(params)
+
+    def loss_fn(params, tokens):
+        params = jax.tree.map(lambda x: x.astype(cdt), params)
+        with nn.use_context(nn.Context(remat=t.remat)):  # the model's own remat switch only
+            logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+    def step(params, opt_state, tokens):
+        if t.grad_accum == 1:
+            loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        else:  # microbatch i = rows i, i+A, i+2A, ...: every device keeps its rows
+            b, s = tokens.shape
+            mbs = tokens.reshape(b // t.grad_accum, t.grad_accum, s).swapaxes(0, 1)
+
+            def body(acc, mb):
+                loss, g = jax.value_and_grad(loss_fn)(params, mb)
+                return jax.tree.map(jnp.add, acc, g), loss
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            grads, losses = jax.lax.scan(body, zeros, mbs)
+            grads = jax.tree.map(lambda g: g / t.grad_accum, grads)
+            loss = losses.mean()
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    step_jit = jax.jit(step, in_shardings=(repl, repl, batch_sharding),
+                       out_shardings=(repl, repl, None), donate_argnums=(0, 1))
+    return jax.jit(init, out_shardings=repl), step_jit
+
+
+def _stats(times: list[float]) -> dict:
+    s = sorted(times)
+    return {"median_s": statistics.median(s), "min_s": s[0], "max_s": s[-1],
+            "mean_s": statistics.fmean(s), "n": len(s)}
+
+
+def run(cfg: Config, log: Callable[[str], None] = lambda s: None, warmup: int = 3) -> dict:
+    from jaxpar.train.trainer import Trainer
+
+    steps = cfg.train.steps
+    trainer = Trainer(cfg, log=log)
+    log(f"overhead: {describe(trainer.mesh)}, zero {trainer.plan.zero_stage}, "
+        f"{trainer.model.n_params:,} params; compiling")
+    t0 = time.perf_counter()
+    jp_step = trainer.compile()
+    jp_compile = time.perf_counter() - t0
+    batch = trainer.loader.batch(0)
+    jp_state = trainer.init_state()
+
+    init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding)
+    params, opt_state = init()
+    t0 = time.perf_counter()
+    bl_step = bl_jit.lower(params, opt_state, batch).compile()
+    bl_compile = time.perf_counter() - t0
+
+    def run_jp():
+        nonlocal jp_state
+        jp_state, m = jp_step(jp_state, batch)
+        jax.block_until_ready((jp_state, m))
+        return m
+
+    def run_bl():
+        nonlocal params, opt_state
+        params, opt_state, m = bl_step(params, opt_state, batch)
+        jax.block_until_ready((params, opt_state, m))
+        return m
+
+    first = {"jaxpar": float(run_jp()["loss"]), "baseline": float(run_bl()["loss"])}
+    for _ in range(max(warmup - 1, 0)):
+        run_jp()
+        run_bl()
+    log(f"overhead: timing {steps} steps each")
+    jp_times, bl_times = [], []
+    for _ in range(steps):
+        for fn, acc in ((run_jp, jp_times), (run_bl, bl_times)):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    jp, bl = _stats(jp_times), _stats(bl_times)
+    r = jp["median_s"] / bl["median_s"]
+    return {
+        "mesh": describe(trainer.mesh),
+        "mesh_shape": dict(trainer.mesh.shape),
+        "zero_stage": trainer.plan.zero_stage,
+        "n_params": trainer.model.n_params,
+        **describe_config(cfg),
+        "steps": steps,
+        "warmup": warmup,
+        "jaxpar": {**jp, "compile_s": jp_compile, "first_loss": first["jaxpar"]},
+        "baseline": {**bl, "compile_s": bl_compile, "first_loss": first["baseline"]},
+        "ratio": r,
+        "target": TARGET,
+        "within_target": r <= TARGET,
+    }
+
+
+def format_result(res: dict) -> str:
+    t = res["train"]
+    ms = lambda x: f"{x * 1e3:.2f}"
+    rows = [[name, ms(res[k]["median_s"]), ms(res[k]["min_s"]), ms(res[k]["max_s"]),
+             f"{res[k]['compile_s']:.2f}", f"{res[k]['first_loss']:.4f}"]
+            for k, name in (("jaxpar", "jaxpar step"), ("baseline", "hand-written jax.jit"))]
+    head = (f"overhead: {res['mesh']}, zero stage {res['zero_stage']}, {res['n_params']:,} params, "
+            f"batch {t['global_batch']} x {t['seq_len']}, grad_accum {t['grad_accum']}, "
+            f"{t['compute_dtype']} compute; {res['steps']} timed steps each after {res['warmup']} warm-up, "
+            f"interleaved")
+    verdict = "within" if res["within_target"] else "ABOVE"
+    return "\n".join([
+        head, "",
+        table(["step", "median ms", "min ms", "max ms", "compile s", "loss @1"], rows), "",
+        f"ratio jaxpar/baseline (median): {fmt_ratio(res['ratio'])}  ({verdict} target <= {res['target']})",
+    ])

@@ -1,0 +1,27 @@
+"""Tests run on 8 forced CPU devices (set before jax is imported anywhere)."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxpar.config import make_config  # noqa: E402
+
+TINY = [
+    "model.preset=tiny", "model.n_layers=2", "train.global_batch=16", "train.seq_len=32",
+    "train.compute_dtype=float32", "train.progress=false", "data.source=synthetic",
+    "optimizer.warmup_steps=1", "train.steps=3",
+]
+
+
+def tiny_config(*overrides: str):
+    return make_config({}, TINY + list(overrides))
+
+
+@pytest.fixture(scope="session")
+def devices():
+    devs = jax.devices()
+    assert len(devs) == 8, f"tests expect 8 forced CPU devices, got {len(devs)}"
+    return devs

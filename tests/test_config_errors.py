@@ -1,0 +1,105 @@
+"""Bad input gets a clear error naming the field, the value and what is valid."""
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.config import ConfigError, load_config, make_config
+from jaxpar.mesh import build_mesh, resolve_sizes
+from jaxpar.train.trainer import Trainer
+from tests.conftest import tiny_config
+
+
+def test_mesh_product_mismatch(devices):
+    cfg = make_config({}, ["mesh.data=2", "mesh.tensor=2"])
+    with pytest.raises(ConfigError, match=r"data=2.*tensor=2.* multiplies to 4 but there are 8 devices"):
+        build_mesh(cfg.mesh, devices)
+
+
+def test_fill_axis_must_divide():
+    cfg = make_config({}, ["mesh.data=-1", "mesh.tensor=3"])
+    with pytest.raises(ConfigError, match="does not divide the 8 devices"):
+        resolve_sizes(cfg.mesh, 8)
+
+
+def test_fill_axis_resolves():
+    cfg = make_config({}, ["mesh.data=-1", "mesh.tensor=2"])
+    assert resolve_sizes(cfg.mesh, 8)["data"] == 4
+
+
+def test_negative_size():
+    with pytest.raises(ConfigError, match=r"mesh.fsdp = -3: .*positive integer or -1"):
+        make_config({}, ["mesh.fsdp=-3"])
+
+
+def test_two_fill_axes():
+    with pytest.raises(ConfigError, match="only one axis may be -1"):
+        make_config({}, ["mesh.data=-1", "mesh.fsdp=-1"])
+
+
+def test_unknown_key_did_you_mean():
+    with pytest.raises(ConfigError, match=r"unknown key 'train.stpes'. did you mean 'steps'"):
+        make_config({}, ["train.stpes=3"])
+    with pytest.raises(ConfigError, match=r"unknown key 'modle'. did you mean 'model'"):
+        make_config({"modle": {}})
+
+
+def test_heads_not_divisible_by_tensor(devices):
+    cfg = tiny_config("mesh.data=1", "mesh.tensor=8")
+    with pytest.raises(ConfigError, match=r"model.n_heads=4 is not divisible by mesh.tensor=8"):
+        Trainer(cfg, devices=devices)
+
+
+def test_global_batch_not_divisible(devices):
+    cfg = tiny_config("mesh.data=8", "train.global_batch=12")
+    with pytest.raises(ConfigError, match=r"train.global_batch=12 must be divisible .* = 8"):
+        Trainer(cfg, devices=devices)
+
+
+def test_dim_not_divisible_names_param(devices):
+    cfg = tiny_config("mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=3", "model.dim=132",
+                      "model.head_dim=32")
+    with pytest.raises(ConfigError, match=r"dim .* \('embed'\) has size 132, not divisible by mesh axes fsdp = 8"):
+        Trainer(cfg, devices=devices)
+
+
+def test_replicated_tolerance(devices):
+    cfg = tiny_config("mesh.data=4", "mesh.tensor=2", "sharding.rules.mlp=[]", "sharding.rules.heads=[]",
+                      "sharding.rules.kv_heads=[]", "sharding.rules.vocab=[]")
+    with pytest.raises(ConfigError, match=r"replicated, above sharding.replicated_tolerance=0.05; largest: "):
+        Trainer(cfg, devices=devices)
+
+
+def test_unknown_mesh_axis_in_rules():
+    with pytest.raises(ConfigError, match=r"unknown mesh axis 'tensr'"):
+        make_config({}, ["sharding.rules.mlp=tensr"])
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match=r"unknown preset 'huge'; valid presets: .*1b"):
+        make_config({}, ["model.preset=huge"])
+
+
+def test_bad_literal_lists_valid_values():
+    with pytest.raises(ConfigError, match=r"train.remat = 'everything'.*'full'"):
+        make_config({}, ["train.remat=everything"])
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("name: x\ntrain:\n  steps: 5\n")
+    cfg = load_config(p, ["train.steps=7", "mesh.data=2"])
+    assert cfg.train.steps == 7 and cfg.mesh.data == 2 and cfg.name == "x"
+    # The saved resolved config loads back to the same config.
+    again = tmp_path / "again.yaml"
+    again.write_text(cfg.to_yaml())
+    assert load_config(again) == cfg
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent/x.yaml")
+
+
+def test_cli_prints_error_not_traceback(capsys):
+    assert main(["train", "configs/quickstart.yaml", "train.stpes=3"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'steps'" in err and "Traceback" not in err
