@@ -155,18 +155,16 @@ class Trainer:
         show = t.progress if progress is None else progress
         bar = Progress(t.steps, start_step, enabled=show and jax.process_index() == 0)
         tokens_per_step = t.global_batch * t.seq_len
-        step_fn = self.compiled or self.step_fn
+        step_fn = self.compiled or self.compile()
         history: list[dict] = []
-        last = time.perf_counter()
+        last, last_step = time.perf_counter(), start_step
         try:
             for step in range(start_step, t.steps):
                 state, metrics = step_fn(state, self.loader.batch(step))
-                if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+                if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start_step:
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     now = time.perf_counter()
-                    dt = (now - last) / (t.log_every if step + 1 - start_step >= t.log_every else
-                                         (step + 1 - start_step))
-                    last = now
+                    dt, last, last_step = (now - last) / (step + 1 - last_step), now, step + 1
                     rec = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_step / dt,
                            "step_time_s": dt}
                     u = mfu(rec["tokens_per_s"] / self.mesh.devices.size, self.flops_per_token, self.peak)
