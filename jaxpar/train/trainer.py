@@ -61,6 +61,7 @@ class Trainer:
     flops_per_token: float | None = None
     log: Callable[[str], None] = print
     writers: list = field(default_factory=list)
+    callbacks: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         cfg = self.cfg
@@ -158,9 +159,14 @@ class Trainer:
         step_fn = self.compiled or self.compile()
         history: list[dict] = []
         last, last_step = time.perf_counter(), start_step
+        step = start_step
+        for cb in self.callbacks:
+            cb.on_start(self, start_step, state)
         try:
             for step in range(start_step, t.steps):
                 state, metrics = step_fn(state, self.loader.batch(step))
+                for cb in self.callbacks:
+                    cb.on_step_end(self, step + 1, state, metrics)
                 if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start_step:
                     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                     now = time.perf_counter()
@@ -173,9 +179,13 @@ class Trainer:
                     history.append(rec)
                     writer.write(step + 1, rec)
                     bar.update(step + 1, rec["loss"], rec["tokens_per_s"])
+                    for cb in self.callbacks:
+                        cb.on_log(self, rec)
         finally:
             bar.close()
             writer.close()
+            for cb in self.callbacks:
+                cb.on_end(self, step, state)
         return state, history
 
 
