@@ -13,10 +13,10 @@ class Callback:
         """Before the first step (`step` is where the loop starts)."""
 
     def on_step_end(self, trainer: Any, step: int, state: Any, metrics: Any) -> None:
-        """After each step; `metrics` are device arrays (reading them syncs the device)."""
+        """After each step (`step`: steps completed); `metrics` are device arrays (reading them syncs the device)."""
 
     def on_log(self, trainer: Any, record: dict) -> None:
         """For each logged record (floats: step, loss, tokens_per_s, ...)."""
 
     def on_end(self, trainer: Any, step: int, state: Any) -> None:
-        """After the last step, also when the loop stops early or fails."""
+        """After the loop, also when it stops early or fails (`step`: steps completed)."""

@@ -159,12 +159,13 @@ class Trainer:
         step_fn = self.compiled or self.compile()
         history: list[dict] = []
         last, last_step = time.perf_counter(), start_step
-        step = start_step
+        done = start_step  # steps completed
         for cb in self.callbacks:
             cb.on_start(self, start_step, state)
         try:
             for step in range(start_step, t.steps):
                 state, metrics = step_fn(state, self.loader.batch(step))
+                done = step + 1
                 for cb in self.callbacks:
                     cb.on_step_end(self, step + 1, state, metrics)
                 if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start_step:
@@ -185,7 +186,7 @@ class Trainer:
             bar.close()
             writer.close()
             for cb in self.callbacks:
-                cb.on_end(self, step, state)
+                cb.on_end(self, done, state)
         return state, history
 
 
