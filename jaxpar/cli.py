@@ -1,4 +1,5 @@
-"""`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`.
+"""`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`, `jaxpar plot RUN_DIR...`,
+`jaxpar profile [RUN_DIR]`.
 
 User mistakes (bad config, bad checkpoint) print one clear message and exit 2, never a traceback.
 """
@@ -24,6 +25,32 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args.name, args.config, args.overrides, as_json=args.json)
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from jaxpar.observe.plots import plot_runs
+    try:
+        written = plot_runs(args.run_dirs, args.out)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    for path, lines in written.items():
+        print(f"{path}: " + ", ".join(f"{label} ({n} points)" for label, n in lines.items()))
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from jaxpar.observe.profiler import HOW_TO_OPEN, trace_files
+    run_dir = args.run_dir or "RUN_DIR"
+    print(HOW_TO_OPEN.replace("RUN_DIR", run_dir))
+    if args.run_dir:
+        files = trace_files(args.run_dir)
+        if not files:
+            print(f"no trace files under {args.run_dir}/profile yet")
+            return 1
+        print("trace files:")
+        for f in files:
+            print(f"  {f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxpar", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -37,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.set_defaults(fn=_bench)
+    pl = sub.add_parser("plot", help="PNGs of loss, throughput and MFU vs step (several runs overlaid)")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    pl.add_argument("-o", "--out", default=None, help="where the PNGs go (default: the first RUN_DIR)")
+    pl.set_defaults(fn=_plot)
+    pr = sub.add_parser("profile", help="how to open a profile.steps trace (and which files a run has)")
+    pr.add_argument("run_dir", nargs="?", default=None, metavar="RUN_DIR")
+    pr.set_defaults(fn=_profile)
     return p
 
 

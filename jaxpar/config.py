@@ -188,6 +188,27 @@ class TrainConfig(Strict):
     progress: bool = True
 
 
+class PipelineConfig(Strict):
+    """Pipeline parallelism over `mesh.pipeline` (see jaxpar/parallel/pipeline). The layer stack
+    splits into mesh.pipeline x virtual_stages stages; the embedding runs on the first stage and
+    the head and loss on the last. `microbatches` (null: train.grad_accum) is how many pieces
+    each data-parallel slice of the batch is cut into; it replaces gradient accumulation (set one
+    of the two, or both to the same value)."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    virtual_stages: int = Field(1, gt=0, description="chunks per device (interleaved_1f1b)")
+    microbatches: int | None = Field(None, gt=0, description="null: train.grad_accum")
+
+    def resolved_microbatches(self, grad_accum: int) -> int:
+        if self.microbatches is None:
+            return grad_accum
+        if grad_accum not in (1, self.microbatches):
+            raise ConfigError(
+                f"pipeline.microbatches={self.microbatches} and train.grad_accum={grad_accum} differ; "
+                f"with a pipeline the microbatches are the accumulation steps: set only one of them")
+        return self.microbatches
+
+
 class DataConfig(Strict):
     """`text`: byte-level tokens of text files (default: the Python standard library's sources);
     `bin`: a memory-mapped token file; `synthetic`: a learnable random source."""
@@ -211,6 +232,53 @@ class XlaConfig(Strict):
     flags: list[str] = Field(default_factory=list)
 
 
+class PrometheusConfig(Strict):
+    """A Prometheus endpoint (`/metrics`), off by default. Only process 0 serves unless
+    `all_processes` (each process then serves on `port + process index`, with a `process` label).
+    `port: 0` picks a free port. Bind `host: 0.0.0.0` to let another machine scrape it."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(9400, ge=0, le=65535)
+    all_processes: bool = False
+
+
+class WatchdogConfig(Strict):
+    """Hang and straggler watchdog: warns (with every thread's Python stack) when a step takes
+    more than `straggler_factor` x the median of the last `window` steps, or when no step
+    finishes within `timeout_s`; with `abort` a hang exits the process with `exit_code`."""
+
+    enabled: bool = False
+    timeout_s: float = Field(900.0, gt=0)
+    straggler_factor: float = Field(3.0, gt=1)
+    window: int = Field(50, ge=1)
+    min_steps: int = Field(5, ge=1, description="steps timed before the straggler check starts")
+    sync: bool = Field(True, description="wait for each step's result, so times are device times")
+    abort: bool = False
+    exit_code: int = Field(3, ge=1, le=255)
+
+
+class ObserveConfig(Strict):
+    prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+
+
+class ProfileConfig(Strict):
+    """`steps: [start, end]` traces steps start..end (inclusive, counted from 1) with
+    jax.profiler into `<run dir>/<dir>` (TensorBoard's profile plugin or Perfetto)."""
+
+    steps: list[int] | None = None
+    dir: str = "profile"
+    perfetto: bool = True
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (len(v) != 2 or not 1 <= v[0] <= v[1]):
+            raise ValueError("profile.steps must be [start, end] with 1 <= start <= end (inclusive)")
+        return v
+
+
 class Config(Strict):
     name: str = "run"
     run_dir: str = "runs"
@@ -220,8 +288,11 @@ class Config(Strict):
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     xla: XlaConfig = Field(default_factory=XlaConfig)
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     @property
     def out_dir(self) -> Path:

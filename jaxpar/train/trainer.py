@@ -201,7 +201,8 @@ def run(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
         log("resolved config:\n" + cfg.to_yaml())
-    trainer = Trainer(cfg, log=log)
+    from jaxpar.observe import build_callbacks
+    trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg))
     compiled = trainer.compile()
     log(trainer.banner(compiled))
     _, history = trainer.fit(out_dir=out)

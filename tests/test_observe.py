@@ -1,0 +1,199 @@
+"""Observability callbacks on a real (tiny) training run: Prometheus endpoint, profiler window,
+hang/straggler watchdog. One compiled trainer is shared; each test runs a few steps of it."""
+import logging
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import tiny_config
+from jaxpar.cli import main
+from jaxpar.config import ConfigError
+from jaxpar.observe import PrometheusExporter, Watchdog, build_callbacks, record_checkpoint_save
+from jaxpar.observe.profiler import trace_files
+from jaxpar.train.callbacks import Callback
+from jaxpar.train.trainer import Trainer
+
+pytestmark = pytest.mark.xdist_group("observe")
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def trainer(devices):
+    tr = Trainer(tiny_config(f"train.steps={STEPS}"), log=lambda s: None)
+    tr.compile()
+    return tr
+
+
+def scrape(port: int) -> dict:
+    """name -> list of (labels, value), parsed with prometheus_client's own parser."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+class Scraper(Callback):
+    def __init__(self, exporter, at):
+        self.exporter, self.at, self.seen = exporter, at, {}
+
+    def on_step_end(self, trainer, step, state, metrics):
+        if step == self.at[0]:
+            record_checkpoint_save(1.25)  # what the checkpoint code calls after a save
+        if step in self.at:
+            self.seen[step] = scrape(self.exporter.port)
+
+
+class AddSkipped(Callback):
+    def on_log(self, trainer, record):
+        record["skipped_steps"] = 2.0  # as if the step reported skipped (non-finite) steps
+
+
+def test_prometheus_endpoint_during_training(trainer, tmp_path):
+    cfg = tiny_config("observe.prometheus.enabled=true", "observe.prometheus.port=0", "name=prom")
+    assert cfg.observe.prometheus.host == "127.0.0.1"
+    cbs = build_callbacks(cfg, out_dir=tmp_path)
+    [exporter] = [c for c in cbs if isinstance(c, PrometheusExporter)]
+    scraper = Scraper(exporter, at=(6, 9))
+    trainer.callbacks = [AddSkipped(), *cbs, scraper]
+    trainer.fit(start_step=4, out_dir=tmp_path)
+    first, last = scraper.seen[6], scraper.seen[9]
+    value = lambda m, name: m[name][0][1]
+    assert value(first, "jaxpar_step") == 6 and value(last, "jaxpar_step") == 9
+    assert value(first, "jaxpar_steps_total") == 2 and value(last, "jaxpar_steps_total") == 5
+    assert first["jaxpar_step"][0][0] == {"run": "prom", "process": "0"}
+    for name in ("jaxpar_loss", "jaxpar_grad_norm", "jaxpar_learning_rate", "jaxpar_step_time_seconds",
+                 "jaxpar_tokens_per_second", "jaxpar_last_step_timestamp_seconds"):
+        assert name in last, name
+    assert 0 < value(last, "jaxpar_loss") < 10 and value(last, "jaxpar_tokens_per_second") > 0
+    assert value(last, "jaxpar_skipped_steps") == 2
+    assert value(last, "jaxpar_checkpoint_save_seconds") == 1.25
+    coll = {lab["collective"]: v for lab, v in last["jaxpar_collective_bytes_per_step"]}
+    assert coll["all-reduce"] > 0 and set(coll) >= {"all-gather", "reduce-scatter", "all-to-all"}
+    mem = last["jaxpar_device_memory_in_use_bytes"]
+    assert len(mem) == 8 and all(v > 0 for _, v in mem)
+    assert {lab["source"] for lab, _ in mem} == {"compiled_estimate"}  # CPU gives no allocator stats
+    assert last["jaxpar_device_memory_peak_bytes"][0][1] >= mem[0][1]
+    # closed with the loop
+    with pytest.raises(urllib.error.URLError):
+        scrape(exporter.port)
+
+
+def _non_loopback_ip() -> str | None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it picks the outgoing interface
+        ip = s.getsockname()[0]
+    except OSError:
+        ip = None
+    finally:
+        s.close()
+    if not ip or ip.startswith("127.") or ip == "0.0.0.0":
+        try:
+            ip = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            ip = None
+    return None if not ip or ip.startswith("127.") else ip
+
+
+def test_endpoint_only_on_loopback_by_default():
+    ip = _non_loopback_ip()
+    if ip is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to try the endpoint on")
+    cfg = tiny_config("observe.prometheus.enabled=true", "observe.prometheus.port=0")
+    [exporter] = build_callbacks(cfg)
+    exporter.on_start(SimpleNamespace(log=lambda s: None), 0, None)
+    try:
+        assert "jaxpar_step" in scrape(exporter.port)  # reachable on loopback
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((ip, exporter.port), timeout=5).close()
+    finally:
+        exporter.close()
+
+
+def test_profile_window_writes_trace(trainer, tmp_path, capsys):
+    cfg = tiny_config("profile.steps=[8,9]")
+    trainer.callbacks = build_callbacks(cfg, out_dir=tmp_path)
+    trainer.fit(start_step=6, out_dir=tmp_path)
+    files = trace_files(tmp_path)
+    assert any(f.name.endswith(".xplane.pb") for f in files), files
+    assert all(f.stat().st_size > 0 for f in files)
+    assert main(["profile", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "xprof --logdir" in out and "ui.perfetto.dev" in out and files[0].name in out
+
+
+class Sleeper(Callback):
+    def __init__(self, step, seconds):
+        self.step, self.seconds = step, seconds
+
+    def on_step_end(self, trainer, step, state, metrics):
+        if step == self.step:
+            time.sleep(self.seconds)
+
+
+def test_watchdog_reports_hang_and_straggler_with_stacks(trainer, tmp_path, caplog):
+    cfg = tiny_config("observe.watchdog.enabled=true", "observe.watchdog.timeout_s=1.0",
+                      "observe.watchdog.straggler_factor=5", "observe.watchdog.min_steps=2")
+    cbs = build_callbacks(cfg, out_dir=tmp_path)
+    [wd] = cbs
+    trainer.callbacks = [Sleeper(8, 2.5), *cbs]
+    with caplog.at_level(logging.WARNING, logger="jaxpar.observe.watchdog"):
+        trainer.fit(start_step=3, out_dir=tmp_path)
+    hangs = [r for r in wd.reports if r["kind"] == "hang"]
+    slow = [r for r in wd.reports if r["kind"] == "straggler" and r["step"] == 8]
+    assert hangs and hangs[0]["step"] == 8 and hangs[0]["elapsed_s"] > 1.0
+    # the hang is reported while the step still runs: the stack shows where it waits
+    assert "time.sleep(self.seconds)" in hangs[0]["stacks"] and "jaxpar-watchdog" in hangs[0]["stacks"]
+    assert slow and slow[0]["elapsed_s"] >= 2.5 and "x the median" in slow[0]["message"]
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "no step finished within 1s" in logged and "Python stacks of all threads" in logged
+    assert "step 8 took" in (tmp_path / "watchdog.log").read_text()
+    assert wd._thread is None  # stopped with the loop
+
+
+def test_watchdog_abort_and_exemptions():
+    codes = []
+    wd = Watchdog(timeout_s=0.2, abort=True, exit_code=7, sync=False, exit_fn=codes.append, poll_s=0.02)
+    wd.on_start(SimpleNamespace(), 0, None)
+    time.sleep(0.6)
+    wd.close()
+    assert codes == [7] and wd.reports[0]["kind"] == "hang" and wd.reports[0]["step"] == 1
+
+    wd = Watchdog(timeout_s=60, straggler_factor=3, min_steps=2, sync=False)
+    wd.on_start(SimpleNamespace(), 0, None)
+    for step in range(1, 5):  # warm-up step, then three timed steps
+        time.sleep(0.02)
+        wd.on_step_end(None, step, None, None)
+    record_checkpoint_save(0.5)
+    time.sleep(0.3)
+    wd.on_step_end(None, 5, None, None)  # slow because it saved: not a straggler
+    assert wd.reports == []
+    time.sleep(0.3)
+    wd.on_step_end(None, 6, None, None)
+    wd.close()
+    assert [r["step"] for r in wd.reports] == [6]
+
+
+def test_observe_config_errors():
+    with pytest.raises(ConfigError, match="profile.steps"):
+        tiny_config("profile.steps=[5,2]")
+    with pytest.raises(ConfigError, match="did you mean 'timeout_s'"):
+        tiny_config("observe.watchdog.timeout=3")
+    assert build_callbacks(tiny_config()) == []  # everything off by default
+
+
+def test_jaxpar_train_attaches_callbacks(tmp_path):
+    rc = main(["train", str(Path(__file__).resolve().parents[1] / "configs/quickstart.yaml"), f"run_dir={tmp_path}", "train.steps=3",
+               "train.progress=false", "model.n_layers=1", "train.seq_len=32", "data.source=synthetic",
+               "profile.steps=[2,2]", "observe.watchdog.enabled=true", "observe.prometheus.enabled=true",
+               "observe.prometheus.port=0"])
+    assert rc == 0
+    assert trace_files(tmp_path / "quickstart")
