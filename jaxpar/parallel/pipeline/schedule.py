@@ -1,0 +1,302 @@
+"""Pipeline timetables: per tick and device, which op (forward / backward / idle) runs on which
+microbatch and chunk, and where its input and cotangent wait. The runner executes exactly this
+table, and the table can be printed (`Timetable.render`) and drawn (`plot_timetable`).
+
+Model: `p` devices on the `pipeline` axis, each holding `v` chunks (virtual stages) of the layer
+stack; global stage g = k * p + d lives on device d as its chunk k (so with v > 1 a microbatch
+loops around the devices v times). Ticks are lockstep units: every op takes one tick, and a value
+sent at the end of tick t (by ppermute) can be used from tick t + 1.
+
+Each device runs its ops in a fixed order (the schedule); an op waits (idle ticks) until its
+inputs exist. Orders:
+  gpipe            all forwards, then all backwards;
+  1f1b             p-1-d warm-up forwards, then one forward one backward, then cool-down
+                   backwards: at most p-d microbatches in flight on device d;
+  interleaved_1f1b Megatron's interleaved order (microbatches in groups of p, chunk by chunk),
+                   warm-up (p-d-1)*2 + (v-1)*p forwards.
+Idle fraction read off the table: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) for the
+interleaved one, i.e. a bubble/compute ratio of (p-1)/m divided by v.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+from jaxpar.config import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+# Op codes of the runner's branches: what a tick does on a device.
+IDLE, F_FIRST, F_MID, B_FIRST, B_MID, B_LAST = range(6)
+CODE_NAMES = {IDLE: "idle", F_FIRST: "F first", F_MID: "F", B_FIRST: "B first", B_MID: "B",
+              B_LAST: "B last"}
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F" | "B"
+    mb: int
+    chunk: int  # k: the device's chunk; global stage = chunk * p + device
+
+
+def check_schedule(schedule: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> None:
+    """Clear errors for layouts a schedule cannot run."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1 or v < 1:
+        raise ConfigError(f"pipeline sizes must be positive: pipeline={p}, microbatches={m}, "
+                          f"virtual_stages={v}")
+    if schedule != "interleaved_1f1b" and v != 1:
+        raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved_1f1b "
+                          f"(got {schedule!r}); set virtual_stages=1 or change the schedule")
+    if schedule in ("1f1b", "interleaved_1f1b") and m < p:
+        raise ConfigError(
+            f"pipeline.schedule={schedule} needs at least as many microbatches as stages: "
+            f"microbatches={m} < mesh.pipeline={p}; raise pipeline.microbatches (or "
+            f"train.grad_accum) to >= {p}, or use pipeline.schedule=gpipe")
+    if schedule == "interleaved_1f1b" and m % p:
+        raise ConfigError(
+            f"pipeline.schedule=interleaved_1f1b needs microbatches divisible by mesh.pipeline: "
+            f"microbatches={m}, pipeline={p}; use a multiple of {p}")
+    if n_layers is not None and n_layers % (p * v):
+        what = f"mesh.pipeline={p}" + (f" x pipeline.virtual_stages={v} = {p * v}" if v > 1 else "")
+        divisors = [s for s in range(1, n_layers + 1) if n_layers % s == 0]
+        raise ConfigError(
+            f"model.n_layers={n_layers} does not split evenly into {what} stages; use a layer "
+            f"count divisible by {p * v}, or stages (pipeline x virtual_stages) among {divisors}")
+
+
+def device_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
+    """The op order each device runs (the schedule proper)."""
+    orders = []
+    for d in range(p):
+        if schedule == "gpipe":
+            ops = [Op("F", i, 0) for i in range(m)] + [Op("B", i, 0) for i in range(m)]
+        elif schedule == "1f1b":
+            w = min(p - 1 - d, m)
+            ops = [Op("F", i, 0) for i in range(w)]
+            for i in range(m - w):
+                ops += [Op("F", w + i, 0), Op("B", i, 0)]
+            ops += [Op("B", i, 0) for i in range(m - w, m)]
+        elif schedule == "interleaved_1f1b":
+            fwd = [Op("F", g * p + j, k) for g in range(m // p) for k in range(v) for j in range(p)]
+            bwd = [Op("B", g * p + j, k) for g in range(m // p) for k in reversed(range(v))
+                   for j in range(p)]
+            n = m * v
+            w = min((p - d - 1) * 2 + (v - 1) * p, n)
+            ops = fwd[:w]
+            for i in range(n - w):
+                ops += [fwd[w + i], bwd[i]]
+            ops += bwd[n - w:]
+        else:
+            raise ConfigError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+        orders.append(ops)
+    return orders
+
+
+@dataclass
+class Timetable:
+    schedule: str
+    p: int
+    m: int
+    v: int
+    grid: list[list[Op | None]]  # [tick][device]
+    # Per [tick, device] int32 arrays the runner indexes with (tick, axis_index):
+    code: np.ndarray = field(repr=False, default=None)
+    mb: np.ndarray = field(repr=False, default=None)
+    chunk: np.ndarray = field(repr=False, default=None)
+    x_slot: np.ndarray = field(repr=False, default=None)     # stashed input an op reads
+    g_slot: np.ndarray = field(repr=False, default=None)     # cotangent a backward reads
+    recv_x: np.ndarray = field(repr=False, default=None)     # where the activation received at
+    recv_g: np.ndarray = field(repr=False, default=None)     # the end of the tick goes (-1: none)
+    n_x_slots: int = 0
+    n_g_slots: int = 0
+
+    @property
+    def ticks(self) -> int:
+        return len(self.grid)
+
+    @property
+    def stages(self) -> int:
+        return self.p * self.v
+
+    def idle_fraction(self) -> float:
+        idle = sum(op is None for row in self.grid for op in row)
+        return idle / (self.ticks * self.p)
+
+    def formula(self) -> float:
+        return idle_formula(self.schedule, self.p, self.m, self.v)
+
+    def in_flight(self) -> list[int]:
+        """Peak microbatch-chunks per device whose forward ran and backward has not (what a
+        stage stashes)."""
+        peaks = []
+        for d in range(self.p):
+            live = peak = 0
+            for row in self.grid:
+                op = row[d]
+                if op is not None:
+                    live += 1 if op.kind == "F" else -1
+                    peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
+
+    def render(self, width: int = 4) -> str:
+        """Text drawing: one line per device, one column per tick (F3 = forward of
+        microbatch 3, B3 = its backward; with chunks, F3.1 = chunk 1)."""
+        def cell(op):
+            if op is None:
+                return ".".ljust(width)
+            s = f"{op.kind}{op.mb}" + (f".{op.chunk}" if self.v > 1 else "")
+            return s.ljust(width)
+        w = max(width, *(len(cell(op).rstrip()) + 1 for row in self.grid for op in row))
+        lines = [f"{self.schedule} p={self.p} m={self.m} v={self.v}: {self.ticks} ticks, idle "
+                 f"{self.idle_fraction():.3f} (formula {self.formula():.3f})"]
+        for d in range(self.p):
+            lines.append(f"dev{d} " + "".join(
+                (cell(row[d]).strip() or ".").ljust(w) for row in self.grid).rstrip())
+        return "\n".join(lines)
+
+
+def idle_formula(schedule: str, p: int, m: int, v: int = 1) -> float:
+    if schedule == "interleaved_1f1b":
+        return float(Fraction(p - 1, v * m + p - 1))
+    return float(Fraction(p - 1, m + p - 1))
+
+
+def simulate(orders: list[list[Op]], p: int, v: int) -> list[list[Op | None]]:
+    """Run each device's order in lockstep ticks; an op runs once its inputs were sent on an
+    earlier tick (forward: the previous stage's forward; backward: the next stage's backward and
+    its own forward)."""
+    G = p * v
+    done: dict[tuple[str, int, int], int] = {}  # (kind, mb, global stage) -> tick
+    pos = [0] * p
+    grid: list[list[Op | None]] = []
+    total = sum(len(o) for o in orders)
+    t = 0
+    while sum(pos) < total:
+        row: list[Op | None] = [None] * p
+        for d in range(p):
+            if pos[d] == len(orders[d]):
+                continue
+            op = orders[d][pos[d]]
+            g = op.chunk * p + d
+            if op.kind == "F":
+                deps = [("F", op.mb, g - 1)] if g > 0 else []
+            else:
+                deps = [("F", op.mb, g)] + ([("B", op.mb, g + 1)] if g < G - 1 else [])
+            if all(done.get(k, t) < t for k in deps):
+                row[d] = op
+        for d, op in enumerate(row):
+            if op is not None:
+                done[(op.kind, op.mb, op.chunk * p + d)] = t
+                pos[d] += 1
+        grid.append(row)
+        t += 1
+        if t > 4 * total + 8:
+            raise RuntimeError("pipeline schedule deadlocked (an op order waits on itself)")
+    return grid
+
+
+def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
+    """Slots for values alive from the end of tick a to tick b (reads at b happen before a
+    write at the end of b, so a slot freed at b can take a value arriving at b)."""
+    slots: dict = {}
+    free_at: list[int] = []  # per slot: the tick after which it is free
+    for a, b, key in sorted(intervals, key=lambda x: (x[0], x[1])):
+        for s, f in enumerate(free_at):
+            if f <= a:
+                free_at[s] = b
+                slots[key] = s
+                break
+        else:
+            slots[key] = len(free_at)
+            free_at.append(b)
+    return slots, len(free_at)
+
+
+def build_timetable(schedule: str, p: int, m: int, v: int = 1) -> Timetable:
+    check_schedule(schedule, p, m, v)
+    grid = simulate(device_orders(schedule, p, m, v), p, v)
+    G, T = p * v, len(grid)
+    at: dict[tuple[str, int, int], int] = {}
+    for t, row in enumerate(grid):
+        for d, op in enumerate(row):
+            if op is not None:
+                at[(op.kind, op.mb, op.chunk * p + d)] = t
+    shape = (T, p)
+    tt = Timetable(schedule, p, m, v, grid,
+                   code=np.zeros(shape, np.int32), mb=np.zeros(shape, np.int32),
+                   chunk=np.zeros(shape, np.int32), x_slot=np.zeros(shape, np.int32),
+                   g_slot=np.zeros(shape, np.int32), recv_x=np.full(shape, -1, np.int32),
+                   recv_g=np.full(shape, -1, np.int32))
+    # Values each device keeps: stage inputs (arrive with the previous stage's forward, last
+    # read by this stage's backward) and cotangents (arrive with the next stage's backward).
+    xs: list[list] = [[] for _ in range(p)]
+    gs: list[list] = [[] for _ in range(p)]
+    for i in range(m):
+        for g in range(G):
+            d = g % p
+            if g > 0:
+                xs[d].append((at[("F", i, g - 1)], at[("B", i, g)], (i, g)))
+            if g < G - 1:
+                gs[d].append((at[("B", i, g + 1)], at[("B", i, g)], (i, g)))
+    x_alloc = [_allocate(x) for x in xs]
+    g_alloc = [_allocate(x) for x in gs]
+    tt.n_x_slots = max(n for _, n in x_alloc)
+    tt.n_g_slots = max(n for _, n in g_alloc)
+    for i in range(m):
+        for g in range(G):
+            d = g % p
+            if g > 0:
+                tt.recv_x[at[("F", i, g - 1)], d] = x_alloc[d][0][(i, g)]
+            if g < G - 1:
+                tt.recv_g[at[("B", i, g + 1)], d] = g_alloc[d][0][(i, g)]
+    for t, row in enumerate(grid):
+        for d, op in enumerate(row):
+            if op is None:
+                continue
+            g = op.chunk * p + d
+            tt.mb[t, d], tt.chunk[t, d] = op.mb, op.chunk
+            if g > 0:
+                tt.x_slot[t, d] = x_alloc[d][0][(op.mb, g)]
+            if op.kind == "B" and g < G - 1:
+                tt.g_slot[t, d] = g_alloc[d][0][(op.mb, g)]
+            if op.kind == "F":
+                # The last stage's forward is folded into its backward (which recomputes it).
+                tt.code[t, d] = F_FIRST if g == 0 else IDLE if g == G - 1 else F_MID
+            else:
+                tt.code[t, d] = B_FIRST if g == 0 else B_LAST if g == G - 1 else B_MID
+    return tt
+
+
+def plot_timetable(tt: Timetable, path: str) -> str:
+    """Draw the timetable (devices x ticks; forwards light, backwards dark, one hue per
+    microbatch) into a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.28 * tt.ticks + 1.5), 0.5 * tt.p + 1.2))
+    cmap = plt.get_cmap("tab20")
+    for t, row in enumerate(tt.grid):
+        for d, op in enumerate(row):
+            if op is None:
+                continue
+            color = cmap((2 * op.mb) % 20 + (0 if op.kind == "B" else 1))
+            ax.add_patch(Rectangle((t, tt.p - 1 - d), 1, 1, facecolor=color, edgecolor="white"))
+            label = f"{op.kind}{op.mb}" + (f".{op.chunk}" if tt.v > 1 else "")
+            ax.text(t + 0.5, tt.p - 0.5 - d, label, ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, tt.ticks)
+    ax.set_ylim(0, tt.p)
+    ax.set_yticks([tt.p - 0.5 - d for d in range(tt.p)], [f"dev {d}" for d in range(tt.p)])
+    ax.set_xlabel("tick")
+    ax.set_title(f"{tt.schedule}  p={tt.p} m={tt.m} v={tt.v}: idle {tt.idle_fraction():.3f} "
+                 f"(formula {tt.formula():.3f})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,112 @@
+"""Pipeline timetables (pure Python): idle fraction = the formula, stash bounds, clear errors."""
+import pytest
+
+from jaxpar.config import ConfigError
+from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, F_FIRST, F_MID, IDLE,
+                                               SCHEDULES, build_timetable, check_schedule,
+                                               idle_formula)
+
+CASES = [(s, p, m, v) for s in SCHEDULES for p in (2, 4) for m in (p, 2 * p, 4 * p)
+         for v in ((2, 3) if s == "interleaved_1f1b" else (1,))]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_idle_fraction_equals_formula(schedule, p, m, v):
+    tt = build_timetable(schedule, p, m, v)
+    assert tt.idle_fraction() == pytest.approx(idle_formula(schedule, p, m, v), abs=1e-12)
+    # Every microbatch runs forward and backward once per global stage.
+    ops = sorted((op.kind, op.mb, op.chunk * p + d) for row in tt.grid for d, op in enumerate(row) if op)
+    assert ops == sorted((k, i, g) for k in "BF" for i in range(m) for g in range(p * v))
+
+
+def test_formulas():
+    assert idle_formula("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert idle_formula("1f1b", 4, 8) == pytest.approx(3 / 11)
+    # bubble / compute = (p-1)/m for 1f1b, divided by v interleaved
+    f = idle_formula("interleaved_1f1b", 4, 8, 2)
+    assert f / (1 - f) == pytest.approx((3 / 8) / 2)
+
+
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_1f1b_stash_bounded_by_stages_gpipe_by_microbatches(m):
+    p = 4
+    one = build_timetable("1f1b", p, m)
+    assert one.in_flight() == [p - d for d in range(p)]
+    assert one.n_x_slots <= p
+    gp = build_timetable("gpipe", p, m)
+    assert max(gp.in_flight()) == m and gp.n_x_slots == m
+
+
+def test_codes_and_slots_consistent():
+    """Replay the table like the runner does: each read finds the value written for it."""
+    for schedule, p, m, v in [("1f1b", 4, 8, 1), ("gpipe", 2, 4, 1), ("interleaved_1f1b", 2, 4, 2),
+                              ("interleaved_1f1b", 4, 8, 2)]:
+        tt = build_timetable(schedule, p, m, v)
+        G = p * v
+        xbuf = [dict() for _ in range(p)]
+        gbuf = [dict() for _ in range(p)]
+        for t, row in enumerate(tt.grid):
+            sent_x, sent_g = {}, {}
+            for d, op in enumerate(row):
+                code = tt.code[t, d]
+                if op is None:
+                    assert code == IDLE
+                    continue
+                g = op.chunk * p + d
+                if op.kind == "F":
+                    assert code == (F_FIRST if g == 0 else IDLE if g == G - 1 else F_MID)
+                    if g > 0:
+                        assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
+                    if g < G - 1:
+                        sent_x[(d + 1) % p] = (op.mb, g + 1)
+                else:
+                    assert code == (B_FIRST if g == 0 else B_LAST if g == G - 1 else B_MID)
+                    if g > 0:
+                        assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
+                        sent_g[(d - 1) % p] = (op.mb, g - 1)
+                    if g < G - 1:
+                        assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
+            for d in range(p):
+                assert (tt.recv_x[t, d] >= 0) == (d in sent_x)
+                assert (tt.recv_g[t, d] >= 0) == (d in sent_g)
+                if d in sent_x:
+                    xbuf[d][tt.recv_x[t, d]] = sent_x[d]
+                if d in sent_g:
+                    gbuf[d][tt.recv_g[t, d]] = sent_g[d]
+
+
+def test_render_and_plot(tmp_path):
+    tt = build_timetable("1f1b", 2, 4)
+    text = tt.render()
+    assert "dev0 F0" in text and "idle 0.200 (formula 0.200)" in text
+    from jaxpar.parallel.pipeline.schedule import plot_timetable
+    out = plot_timetable(tt, str(tmp_path / "tt.png"))
+    assert (tmp_path / "tt.png").stat().st_size > 1000 and out.endswith("tt.png")
+
+
+@pytest.mark.parametrize("args,match", [
+    (("1f1b", 4, 2), "at least as many microbatches as stages"),
+    (("interleaved_1f1b", 4, 4, 2, None), None),
+    (("interleaved_1f1b", 4, 6, 2), "divisible by mesh.pipeline"),
+    (("gpipe", 2, 4, 2), "virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
+    (("gpipe", 4, 4, 1, 6), "model.n_layers=6 does not split evenly into mesh.pipeline=4"),
+    (("interleaved_1f1b", 2, 4, 2, 6), r"pipeline.virtual_stages=2 = 4 stages"),
+    (("zero_bubble", 2, 4), "is not one of"),
+])
+def test_clear_errors(args, match):
+    if match is None:
+        check_schedule(*args)
+        return
+    with pytest.raises(ConfigError, match=match):
+        check_schedule(*args)
+
+
+def test_config_section():
+    from jaxpar.config import make_config
+    cfg = make_config({}, ["pipeline.schedule=gpipe", "pipeline.microbatches=8"])
+    assert cfg.pipeline.resolved_microbatches(1) == 8
+    assert make_config({}, ["train.grad_accum=4"]).pipeline.resolved_microbatches(4) == 4
+    with pytest.raises(ConfigError, match="differ"):
+        cfg.pipeline.resolved_microbatches(2)
+    with pytest.raises(ConfigError, match="schedule"):
+        make_config({}, ["pipeline.schedule=zb"])
