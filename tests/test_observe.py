@@ -1,6 +1,8 @@
 """Observability callbacks on a real (tiny) training run: Prometheus endpoint, profiler window,
 hang/straggler watchdog. One compiled trainer is shared; each test runs a few steps of it."""
+import json
 import logging
+import re
 import socket
 import time
 import urllib.error
@@ -20,6 +22,7 @@ from jaxpar.train.callbacks import Callback
 from jaxpar.train.trainer import Trainer
 
 pytestmark = pytest.mark.xdist_group("observe")
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
 
 
@@ -81,6 +84,12 @@ def test_prometheus_endpoint_during_training(trainer, tmp_path):
     assert len(mem) == 8 and all(v > 0 for _, v in mem)
     assert {lab["source"] for lab, _ in mem} == {"compiled_estimate"}  # CPU gives no allocator stats
     assert last["jaxpar_device_memory_peak_bytes"][0][1] >= mem[0][1]
+    # every metric the Grafana dashboard queries is one the exporter serves
+    dash = json.loads((ROOT / "deploy/grafana/jaxpar-training.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"\bjaxpar_[a-z_]+", e)}
+    served = set(last) | {"jaxpar_mfu_ratio", "jaxpar_device_memory_limit_bytes"}  # not on CPU
+    assert used and used <= served, used - served
     # closed with the loop
     with pytest.raises(urllib.error.URLError):
         scrape(exporter.port)
@@ -191,7 +200,7 @@ def test_observe_config_errors():
 
 
 def test_jaxpar_train_attaches_callbacks(tmp_path):
-    rc = main(["train", str(Path(__file__).resolve().parents[1] / "configs/quickstart.yaml"), f"run_dir={tmp_path}", "train.steps=3",
+    rc = main(["train", str(ROOT / "configs/quickstart.yaml"), f"run_dir={tmp_path}", "train.steps=3",
                "train.progress=false", "model.n_layers=1", "train.seq_len=32", "data.source=synthetic",
                "profile.steps=[2,2]", "observe.watchdog.enabled=true", "observe.prometheus.enabled=true",
                "observe.prometheus.port=0"])
