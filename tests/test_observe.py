@@ -149,21 +149,21 @@ class Sleeper(Callback):
 
 
 def test_watchdog_reports_hang_and_straggler_with_stacks(trainer, tmp_path, caplog):
-    cfg = tiny_config("observe.watchdog.enabled=true", "observe.watchdog.timeout_s=1.0",
+    cfg = tiny_config("observe.watchdog.enabled=true", "observe.watchdog.timeout_s=1.5",
                       "observe.watchdog.straggler_factor=5", "observe.watchdog.min_steps=2")
     cbs = build_callbacks(cfg, out_dir=tmp_path)
     [wd] = cbs
-    trainer.callbacks = [Sleeper(8, 2.5), *cbs]
+    trainer.callbacks = [Sleeper(8, 3.0), *cbs]
     with caplog.at_level(logging.WARNING, logger="jaxpar.observe.watchdog"):
         trainer.fit(start_step=3, out_dir=tmp_path)
-    hangs = [r for r in wd.reports if r["kind"] == "hang"]
+    hangs = [r for r in wd.reports if r["kind"] == "hang" and r["step"] == 8]
     slow = [r for r in wd.reports if r["kind"] == "straggler" and r["step"] == 8]
-    assert hangs and hangs[0]["step"] == 8 and hangs[0]["elapsed_s"] > 1.0
+    assert hangs and hangs[0]["elapsed_s"] > 1.5
     # the hang is reported while the step still runs: the stack shows where it waits
     assert "time.sleep(self.seconds)" in hangs[0]["stacks"] and "jaxpar-watchdog" in hangs[0]["stacks"]
-    assert slow and slow[0]["elapsed_s"] >= 2.5 and "x the median" in slow[0]["message"]
+    assert slow and slow[0]["elapsed_s"] >= 3.0 and "x the median" in slow[0]["message"]
     logged = "\n".join(r.getMessage() for r in caplog.records)
-    assert "no step finished within 1s" in logged and "Python stacks of all threads" in logged
+    assert "no step finished within 1.5s" in logged and "Python stacks of all threads" in logged
     assert "step 8 took" in (tmp_path / "watchdog.log").read_text()
     assert wd._thread is None  # stopped with the loop
 
@@ -185,7 +185,7 @@ def test_watchdog_abort_and_exemptions():
     time.sleep(0.3)
     wd.on_step_end(None, 5, None, None)  # slow because it saved: not a straggler
     assert wd.reports == []
-    time.sleep(0.3)
+    time.sleep(0.5)
     wd.on_step_end(None, 6, None, None)
     wd.close()
     assert [r["step"] for r in wd.reports] == [6]
