@@ -66,7 +66,7 @@ def test_prometheus_endpoint_during_training(trainer, tmp_path):
     [exporter] = [c for c in cbs if isinstance(c, PrometheusExporter)]
     scraper = Scraper(exporter, at=(6, 9))
     trainer.callbacks = [AddSkipped(), *cbs, scraper]
-    trainer.fit(start_step=4, out_dir=tmp_path)
+    trainer.fit(trainer.init_state(), start_step=4, out_dir=tmp_path)
     first, last = scraper.seen[6], scraper.seen[9]
     value = lambda m, name: m[name][0][1]
     assert value(first, "jaxpar_step") == 6 and value(last, "jaxpar_step") == 9
@@ -88,7 +88,8 @@ def test_prometheus_endpoint_during_training(trainer, tmp_path):
     dash = json.loads((ROOT / "deploy/grafana/jaxpar-training.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     used = {m for e in exprs for m in re.findall(r"\bjaxpar_[a-z_]+", e)}
-    served = set(last) | {"jaxpar_mfu_ratio", "jaxpar_device_memory_limit_bytes"}  # not on CPU
+    served = set(last) | {"jaxpar_mfu_ratio", "jaxpar_device_memory_limit_bytes",  # not on CPU
+                          "jaxpar_watchdog_last_report_step"}  # only after a report
     assert used and used <= served, used - served
     # closed with the loop
     with pytest.raises(urllib.error.URLError):
@@ -130,7 +131,7 @@ def test_endpoint_only_on_loopback_by_default():
 def test_profile_window_writes_trace(trainer, tmp_path, capsys):
     cfg = tiny_config("profile.steps=[8,9]")
     trainer.callbacks = build_callbacks(cfg, out_dir=tmp_path)
-    trainer.fit(start_step=6, out_dir=tmp_path)
+    trainer.fit(trainer.init_state(), start_step=6, out_dir=tmp_path)
     files = trace_files(tmp_path)
     assert any(f.name.endswith(".xplane.pb") for f in files), files
     assert all(f.stat().st_size > 0 for f in files)
@@ -155,7 +156,7 @@ def test_watchdog_reports_hang_and_straggler_with_stacks(trainer, tmp_path, capl
     [wd] = cbs
     trainer.callbacks = [Sleeper(8, 3.0), *cbs]
     with caplog.at_level(logging.WARNING, logger="jaxpar.observe.watchdog"):
-        trainer.fit(start_step=3, out_dir=tmp_path)
+        trainer.fit(trainer.init_state(), start_step=3, out_dir=tmp_path)
     hangs = [r for r in wd.reports if r["kind"] == "hang" and r["step"] == 8]
     slow = [r for r in wd.reports if r["kind"] == "straggler" and r["step"] == 8]
     assert hangs and hangs[0]["elapsed_s"] > 1.5
@@ -165,6 +166,7 @@ def test_watchdog_reports_hang_and_straggler_with_stacks(trainer, tmp_path, capl
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "no step finished within 1.5s" in logged and "Python stacks of all threads" in logged
     assert "step 8 took" in (tmp_path / "watchdog.log").read_text()
+    assert "collectives in the compiled step" in hangs[0]["message"] and "all-reduce" in hangs[0]["message"]
     assert wd._thread is None  # stopped with the loop
 
 

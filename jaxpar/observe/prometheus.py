@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from jaxpar.metrics import COLLECTIVE_KINDS, collective_bytes, compiled_memory, device_memory_stats
+from jaxpar.observe import watchdog
 from jaxpar.observe.watchdog import exempt_current_step
 from jaxpar.train.callbacks import Callback
 
@@ -121,6 +122,17 @@ class _Collector:
         c = CounterMetricFamily("jaxpar_checkpoint_saves", "Checkpoint saves recorded", labels=names)
         c.add_metric(values, ck["count"])
         yield c
+        c = CounterMetricFamily("jaxpar_watchdog_reports", "Watchdog reports (kind: straggler, hang)",
+                                labels=names + ["kind"])
+        g = GaugeMetricFamily("jaxpar_watchdog_last_report_step", "Step of the last watchdog report",
+                              labels=names + ["kind"])
+        for kind, n in list(watchdog.report_counts.items()):
+            c.add_metric(values + [kind], n)
+            if kind in watchdog.last_report_step:
+                g.add_metric(values + [kind], watchdog.last_report_step[kind])
+        yield c
+        if g.samples:
+            yield g
         if snap["collectives"] is not None:
             g = GaugeMetricFamily("jaxpar_collective_bytes_per_step",
                                   "Per-device result bytes of each collective type in one compiled step "

@@ -36,6 +36,9 @@ from jaxpar.train.callbacks import Callback
 logger = logging.getLogger("jaxpar.observe.watchdog")
 
 _exempt = [0]
+# reports made in this process, by kind, and the step of the last one (the Prometheus exporter reads them)
+report_counts: dict[str, int] = {"straggler": 0, "hang": 0}
+last_report_step: dict[str, int] = {}
 
 
 def exempt_current_step() -> None:
@@ -72,11 +75,13 @@ class Watchdog(Callback):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first = True
+        self._collectives = ""
 
     # -------------------------------------------------------------- callback hooks
 
     def on_start(self, trainer: Any, step: int, state: Any) -> None:
         self._step, self._last, self._first = step, time.perf_counter(), True
+        self._collectives = _collective_summary(getattr(trainer, "compiled", None))
         self._exempt_seen = _exempt[0]
         self._stop.clear()
         if self._thread is None:
@@ -133,6 +138,10 @@ class Watchdog(Callback):
 
     def _report(self, kind: str, step: int, elapsed: float, message: str) -> None:
         stacks = thread_stacks()
+        if kind == "hang" and self._collectives:
+            message += f"\ncollectives in the compiled step (one of them may be waiting): {self._collectives}"
+        report_counts[kind] = report_counts.get(kind, 0) + 1
+        last_report_step[kind] = step
         rec = {"kind": kind, "step": step, "elapsed_s": elapsed, "message": message, "stacks": stacks,
                "process": jax.process_index(), "time": time.time()}
         self.reports.append(rec)
@@ -149,3 +158,20 @@ class Watchdog(Callback):
                 f.write(text)
         except OSError:
             pass
+
+
+def _collective_summary(compiled: Any) -> str:
+    """`12 x all-reduce (3.1 MiB), 4 x all-gather (...)` from the compiled step's HLO ('' if none)."""
+    if compiled is None:
+        return ""
+    try:
+        from jaxpar.metrics import collective_ops
+        ops = collective_ops(compiled.as_text(), count_loops=True)
+    except Exception:
+        return ""
+    by_kind: dict[str, list[int]] = {}
+    for op in ops:
+        n, b = by_kind.setdefault(op.kind, [0, 0]), op.bytes
+        n[0] += 1
+        n[1] += b
+    return ", ".join(f"{n} x {k} ({b / 2**20:.1f} MiB/step)" for k, (n, b) in by_kind.items())
