@@ -37,13 +37,14 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from jaxpar.observe.profiler import HOW_TO_OPEN, trace_files
-    run_dir = args.run_dir or "RUN_DIR"
-    print(HOW_TO_OPEN.replace("RUN_DIR", run_dir))
+    from jaxpar.observe.profiler import HOW_TO_OPEN, run_profile_dir, trace_files
+    sub = run_profile_dir(args.run_dir) if args.run_dir else "profile"
+    print(HOW_TO_OPEN.replace("RUN_DIR/profile", f"{args.run_dir or 'RUN_DIR'}/{sub}")
+          .replace("RUN_DIR", args.run_dir or "RUN_DIR"))
     if args.run_dir:
-        files = trace_files(args.run_dir)
+        files = trace_files(args.run_dir, sub)
         if not files:
-            print(f"no trace files under {args.run_dir}/profile yet")
+            print(f"no trace files under {args.run_dir}/{sub} yet")
             return 1
         print("trace files:")
         for f in files:

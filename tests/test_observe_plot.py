@@ -28,7 +28,7 @@ def test_plot_one_run(tmp_path, capsys):
         png = run / f"{name}.png"
         data = png.read_bytes()
         assert data.startswith(PNG) and len(data) > 1000
-    assert f"(7 points)" in capsys.readouterr().out
+    assert "(7 points)" in capsys.readouterr().out
     written = plot_runs([run], tmp_path / "again")
     assert len(written) == 3 and all(list(v.values()) == [n_lines] for v in written.values())
 

@@ -34,6 +34,16 @@ To capture one: jaxpar train CONFIG profile.steps=[10,12]
 """
 
 
+def run_profile_dir(run_dir: str | Path) -> str:
+    """The run's `profile.dir` from its saved config.yaml (default `profile`)."""
+    try:
+        import yaml
+        cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+        return str((cfg.get("profile") or {}).get("dir") or "profile")
+    except (OSError, ValueError, AttributeError):
+        return "profile"
+
+
 def trace_files(run_dir: str | Path, sub: str = "profile") -> list[Path]:
     """Trace files under `run_dir/sub` (xplane protobufs and JSON traces), oldest window first."""
     root = Path(run_dir) / sub
