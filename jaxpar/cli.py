@@ -52,6 +52,12 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    from jaxpar.checkpoint import inspect
+    print(inspect(args.dir, verify_data=args.verify))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxpar", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="how to open a profile.steps trace (and which files a run has)")
     pr.add_argument("run_dir", nargs="?", default=None, metavar="RUN_DIR")
     pr.set_defaults(fn=_profile)
+    ck = sub.add_parser("checkpoint", help="look into checkpoints: jaxpar checkpoint inspect DIR")
+    ck_sub = ck.add_subparsers(dest="action", required=True)
+    ins = ck_sub.add_parser("inspect", help="steps (complete or not), arrays, saved mesh, config")
+    ins.add_argument("dir", help="a run dir, its checkpoints/ dir, or one step dir")
+    ins.add_argument("--verify", action="store_true",
+                     help="also load every complete step and compare its checksums")
+    ins.set_defaults(fn=_checkpoint)
     return p
 
 

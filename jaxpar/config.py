@@ -186,6 +186,11 @@ class TrainConfig(Strict):
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
     log_every: int = Field(1, gt=0)
     progress: bool = True
+    resume: str = Field("auto", description="auto (latest good checkpoint of the run), never, or a path")
+    skip_nonfinite: bool = Field(True, description="skip updates whose loss or grad norm is not finite")
+    max_nonfinite: int = Field(5, ge=1, description="stop after this many non-finite steps in a row")
+    nonfinite_rollback: bool = Field(False, description="instead of stopping: restore the last "
+                                     "checkpoint and skip the batch that started the run of bad steps")
 
 
 class PipelineConfig(Strict):
@@ -223,6 +228,23 @@ class DataConfig(Strict):
         if self.source == "bin" and not self.bin_path:
             raise ValueError("data.source 'bin' needs data.bin_path (a .bin file of tokens)")
         return self
+
+
+class CheckpointConfig(Strict):
+    """Orbax checkpoints in `<run dir>/checkpoints` (or `dir`): every `every` steps and at the end,
+    written in the background (`async_save`); keeps the latest `keep_last` plus every
+    `keep_every`-th step. On SIGTERM/SIGINT a run saves and exits 0 within `preemption_grace_s`.
+    `elastic`: when resuming on another device count, adapt the mesh and train.grad_accum so the
+    global batch (and the loss curve) stays the same."""
+
+    enabled: bool = True
+    dir: str | None = None
+    every: int = Field(100, gt=0)
+    keep_last: int = Field(3, ge=1)
+    keep_every: int | None = Field(None, gt=0)
+    async_save: bool = True
+    preemption_grace_s: float = Field(120.0, gt=0)
+    elastic: bool = True
 
 
 class XlaConfig(Strict):
@@ -290,6 +312,7 @@ class Config(Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     xla: XlaConfig = Field(default_factory=XlaConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)

@@ -78,9 +78,11 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
 
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int,
                     compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
-                    loss_sum_fn: Callable = cross_entropy_sum):
+                    loss_sum_fn: Callable = cross_entropy_sum, skip_nonfinite: bool = False):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
-    [batch, seq+1] int array sharded over the batch axes."""
+    [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
+    or gradient norm is not finite leaves params and optimizer state unchanged (the step counter
+    still advances) and reports metrics["nonfinite"] = 1."""
     manual = frozenset(plan.batch_axes)
     cdt = DTYPES[compute_dtype]
     prepare = param_preparer(plan, manual, cdt)
@@ -129,6 +131,12 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": grad_norm}
+        if skip_nonfinite:
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jnp.where(ok, new, old)
+            params = jax.tree.map(keep, params, state["params"])
+            opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+            metrics["nonfinite"] = jnp.logical_not(ok).astype(jnp.int32)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state["step"])
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics

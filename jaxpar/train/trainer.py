@@ -28,6 +28,10 @@ from jaxpar.train.optimizer import build_optimizer, schedule
 from jaxpar.train.step import DTYPES, make_init, make_step_spec, make_train_step
 
 
+class TrainingStopped(ConfigError):
+    """The run cannot go on as configured (e.g. train.max_nonfinite bad steps in a row)."""
+
+
 def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
     """User mistakes that would otherwise surface as deep JAX errors."""
     shape = plan.mesh.shape
@@ -81,7 +85,8 @@ class Trainer:
         self.replication = check_replication(self.plan, named)
         self.step_fn = make_train_step(
             self.model, self.plan, self.tx, self.spec, grad_accum=cfg.train.grad_accum,
-            compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat, lr_schedule=self.lr_schedule)
+            compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat, lr_schedule=self.lr_schedule,
+            skip_nonfinite=cfg.train.skip_nonfinite)
         self.init_fn = make_init(self.model, self.tx, self.spec, DTYPES[cfg.train.param_dtype])
         vocab = getattr(cfg.model, "vocab_size", 256)
         self.loader = DataLoader(build_source(cfg.data, vocab, cfg.train.seed), cfg.train.global_batch,
@@ -90,6 +95,10 @@ class Trainer:
             self.flops_per_token = self._flops_per_token(custom)
         self.peak = peak_flops(jax.devices()[0], cfg.peak_flops)
         self.compiled = None
+        self.skipped_steps = 0          # non-finite steps skipped so far (restored on resume)
+        self.skipped_batches: list[int] = []  # data steps never trained on (nonfinite_rollback)
+        self.preempted: str | None = None   # the signal that stopped the last fit, if any
+        self.checkpointer = None
 
     def _flops_per_token(self, custom: bool) -> float:
         n = self.model.n_params
@@ -119,7 +128,84 @@ class Trainer:
         self.compiled = self.step_fn.lower(state, batch).compile()
         return self.compiled
 
-    def banner(self, compiled=None) -> str:
+    def abstract_state_sharded(self) -> Any:
+        """The state's shapes and dtypes carrying this trainer's shardings (a restore target)."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            self.abstract_state(), self.spec.state_shardings)
+
+    def data_step(self, step: int) -> int:
+        """The data index of train step `step` (the step itself unless batches were skipped)."""
+        d = step
+        for b in sorted(self.skipped_batches):
+            if b <= d:
+                d += 1
+        return d
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def make_checkpointer(self, out_dir: Path | None = None):
+        """The run's Checkpointer (`checkpoint.dir` or `<out_dir>/checkpoints`), or None when off."""
+        from jaxpar.checkpoint import Checkpointer
+        c = self.cfg.checkpoint
+        if not c.enabled:
+            return None
+        root = Path(c.dir) if c.dir else Path(out_dir if out_dir is not None else self.cfg.out_dir) / "checkpoints"
+        return Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save,
+                            log=self.log)
+
+    def checkpoint_meta(self, step: int) -> dict:
+        from jaxpar.checkpoint import layout_meta
+        seed = self.cfg.train.seed
+        return {"data": {"position": self.data_step(step), "step": step, "seed": seed,
+                         "skipped_batches": list(self.skipped_batches)},
+                "rng": {"seed": seed, "data": "splitmix64(seed, data step, row)", "init": "nnx.Rngs(seed)"},
+                **layout_meta(self.cfg, self.mesh),
+                "nonfinite": {"skipped": self.skipped_steps}}
+
+    def save(self, ckpt, step: int, state: dict) -> None:
+        ckpt.save(step, state, self.checkpoint_meta(step), self.cfg.model_dump(mode="json"))
+
+    def restore(self, plan=None, out_dir: Path | None = None) -> tuple[dict | None, int, str]:
+        """Per train.resume: (state, step to start from, what happened, for the banner).
+        (None, 0, ...) when there is nothing to resume. `plan` comes from
+        `jaxpar.checkpoint.plan_resume` (run() makes it before building the trainer, so the
+        layout can adapt to the device count); without it, it is made here."""
+        from jaxpar.checkpoint import checkpoint_dir, plan_resume
+        if not self.cfg.checkpoint.enabled:
+            return None, 0, "checkpoints off"
+        own = (Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else
+               Path(out_dir) / "checkpoints" if out_dir is not None else checkpoint_dir(self.cfg))
+        if plan is None:
+            plan = plan_resume(self.cfg, self.mesh.devices.size, own_root=own)
+        if not plan.resuming:
+            why = "train.resume=never" if self.cfg.train.resume == "never" else f"no checkpoint in {own}"
+            return None, 0, f"fresh start ({why})"
+        from jaxpar.checkpoint import Checkpointer
+        if Path(plan.root).absolute() == own.absolute():
+            src = self._own_ckpt(own)
+        else:  # another run's checkpoints: read only
+            src = Checkpointer(plan.root, async_save=False, read_only=True, log=self.log)
+        state, meta, step = src.restore(self.abstract_state_sharded(), plan.step)
+        if src is not self.checkpointer:
+            src.close()
+        self.skipped_steps = int(meta.get("nonfinite", {}).get("skipped", 0))
+        self.skipped_batches = [int(b) for b in meta.get("data", {}).get("skipped_batches", [])]
+        self.loader.load_state_dict({"step": step})
+        saved = ",".join(f"{a}={v}" for a, v in meta.get("mesh", {}).items() if v != 1) or "1 device"
+        msg = f"{plan.root / str(step)} (step {step}; saved on {saved}, {meta.get('devices')} devices)"
+        if plan.changes:
+            msg += "; changed " + "; ".join(plan.changes)
+        return state, int(step), msg
+
+    def _own_ckpt(self, root: Path):
+        if self.checkpointer is None or self.checkpointer.root != root.absolute():
+            from jaxpar.checkpoint import Checkpointer
+            c = self.cfg.checkpoint
+            self.checkpointer = Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every,
+                                             async_save=c.async_save, log=self.log)
+        return self.checkpointer
+
+    def banner(self, compiled=None, extra: dict | None = None) -> str:
         mem = compiled_memory(compiled) if compiled is not None else {}
         state = self.abstract_state()
         shard = lambda tree, sh: per_device_bytes(jax.tree.map(
@@ -139,18 +225,35 @@ class Trainer:
         t = self.cfg.train
         lines["batch"] = (f"{t.global_batch} x {t.seq_len} tokens, grad_accum {t.grad_accum}, "
                           f"{t.compute_dtype} compute, remat {t.remat}")
+        lines.update(extra or {})
         return format_banner(lines)
 
     # ------------------------------------------------------------------ the loop
 
     def fit(self, state: dict | None = None, start_step: int = 0, out_dir: Path | None = None,
             progress: bool | None = None) -> tuple[dict, list[dict]]:
-        """Train from `start_step` to train.steps. Returns the final state and logged metrics."""
+        """Train from `start_step` to train.steps. Returns the final state and logged metrics.
+
+        With `out_dir` (and checkpoint.enabled): resumes per train.resume when `state` is None,
+        saves checkpoints every checkpoint.every steps and at the end, and on SIGTERM/SIGINT
+        finishes the step, saves and returns (`self.preempted` names the signal)."""
+        from jaxpar.checkpoint import Preemption, truncate_metrics
         cfg, t = self.cfg, self.cfg.train
+        out_dir = Path(out_dir) if out_dir is not None else None
+        ckpt = None
+        if out_dir is not None and cfg.checkpoint.enabled:
+            ckpt = self._own_ckpt(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints")
+            if state is None:
+                state, start_step, where = self.restore(out_dir=out_dir)
+                if state is not None:
+                    self.log(f"resumed from {where}")
         state = self.init_state() if state is None else state
+        if start_step == 0:
+            self.skipped_steps, self.skipped_batches = 0, []
         writers = list(self.writers)
         if out_dir is not None and jax.process_index() == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
+            truncate_metrics(out_dir / "metrics.jsonl", start_step)  # reads like one uninterrupted run
             writers += [JsonlWriter(out_dir / "metrics.jsonl"), TensorBoardWriter(out_dir / "tb")]
         writer = CompositeWriter(writers)
         show = t.progress if progress is None else progress
@@ -160,52 +263,134 @@ class Trainer:
         history: list[dict] = []
         last, last_step = time.perf_counter(), start_step
         done = start_step  # steps completed
+        self.preempted = None
+        streak, pending, rollbacks, last_bad = 0, None, 0, 0
+
+        def consume():  # a step's non-finite flag, read one step late (so the host does not stall)
+            nonlocal streak, pending, last_bad
+            if pending is None:
+                return
+            (n, flag), pending = pending, None
+            if flag is not None and bool(jax.device_get(flag)):
+                self.skipped_steps += 1
+                streak, last_bad = streak + 1, n
+            else:
+                streak = 0
+
         for cb in self.callbacks:
             cb.on_start(self, start_step, state)
+        finished = False
         try:
-            for step in range(start_step, t.steps):
-                state, metrics = step_fn(state, self.loader.batch(step))
-                done = step + 1
-                for cb in self.callbacks:
-                    cb.on_step_end(self, step + 1, state, metrics)
-                if (step + 1) % t.log_every == 0 or step + 1 == t.steps or step == start_step:
-                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    now = time.perf_counter()
-                    dt, last, last_step = (now - last) / (step + 1 - last_step), now, step + 1
-                    rec = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_step / dt,
-                           "step_time_s": dt}
-                    u = mfu(rec["tokens_per_s"] / self.mesh.devices.size, self.flops_per_token, self.peak)
-                    if u is not None:
-                        rec["mfu"] = u
-                    history.append(rec)
-                    writer.write(step + 1, rec)
-                    bar.update(step + 1, rec["loss"], rec["tokens_per_s"])
+            with Preemption(cfg.checkpoint.preemption_grace_s, self.log) as preemption:
+                step = start_step
+                while step < t.steps:
+                    state, metrics = step_fn(state, self.loader.batch(self.data_step(step)))
+                    consume()
+                    step = done = step + 1
+                    pending = (step, metrics.get("nonfinite"))
                     for cb in self.callbacks:
-                        cb.on_log(self, rec)
+                        cb.on_step_end(self, step, state, metrics)
+                    if step % t.log_every == 0 or step == t.steps or step == 1:
+                        consume()
+                        metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "nonfinite"}
+                        now = time.perf_counter()
+                        dt, last, last_step = (now - last) / (step - last_step), now, step
+                        rec = {"step": step, **metrics, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+                        if t.skip_nonfinite:
+                            rec["skipped_steps"] = self.skipped_steps
+                        u = mfu(rec["tokens_per_s"] / self.mesh.devices.size, self.flops_per_token, self.peak)
+                        if u is not None:
+                            rec["mfu"] = u
+                        history.append(rec)
+                        writer.write(step, rec)
+                        bar.update(step, rec["loss"], rec["tokens_per_s"])
+                        for cb in self.callbacks:
+                            cb.on_log(self, rec)
+                    if t.skip_nonfinite and streak >= t.max_nonfinite:
+                        state, step = self._on_nonfinite_streak(ckpt, state, last_bad, streak, rollbacks)
+                        pending = None
+                        done, streak, rollbacks = step, 0, rollbacks + 1
+                        history = [h for h in history if h["step"] <= step]
+                        if out_dir is not None and jax.process_index() == 0:
+                            truncate_metrics(out_dir / "metrics.jsonl", step)
+                        continue
+                    if ckpt is not None and step % cfg.checkpoint.every == 0:
+                        consume()
+                        self.save(ckpt, step, state)
+                    if preemption.should_stop(step):
+                        self.preempted = preemption.requested
+                        break
+                consume()
+                if ckpt is not None and ckpt.last_saved != done and done > start_step:
+                    self.save(ckpt, done, state)
+                if ckpt is not None:
+                    ckpt.wait()
+            finished = True
         finally:
+            if ckpt is not None and not finished:
+                try:  # let a save in flight complete (it is whole or absent either way)
+                    ckpt.wait()
+                except Exception:  # noqa: BLE001
+                    pass
             bar.close()
             writer.close()
             for cb in self.callbacks:
                 cb.on_end(self, done, state)
+        if self.preempted:
+            self.log(f"stopped by {self.preempted} after step {done}: checkpoint saved in "
+                     f"{ckpt.root / str(done) if ckpt else '(checkpoints off)'}; metrics flushed")
         return state, history
+
+    def _on_nonfinite_streak(self, ckpt, state, last_bad: int, streak: int, rollbacks: int) -> tuple[dict, int]:
+        """train.max_nonfinite bad steps in a row (the last one: step `last_bad`): stop, or with
+        nonfinite_rollback restore the last checkpoint from before the streak and never train on
+        the batch that started it."""
+        t = self.cfg.train
+        step = last_bad
+        first_bad = step - streak  # loop index of the first bad step
+        msg = (f"{streak} non-finite steps in a row (steps {first_bad + 1}..{step}; loss or gradient "
+               f"norm inf/nan; updates were skipped)")
+        if not t.nonfinite_rollback or ckpt is None or rollbacks >= t.max_nonfinite:
+            why = "" if t.nonfinite_rollback and ckpt is not None else (
+                "; set train.nonfinite_rollback=true to roll back to the last checkpoint and skip the batch, ")
+            raise TrainingStopped(f"stopping: {msg}{why or '; '}lower optimizer.lr or check the data "
+                                  f"(data step {self.data_step(first_bad)})")
+        ckpt.wait()
+        good = [s for s in ckpt.all_steps() if s <= first_bad]
+        if not good:
+            raise TrainingStopped(f"stopping: {msg}; no checkpoint from before step {first_bad + 1} "
+                                  f"to roll back to")
+        bad_batch = self.data_step(first_bad)
+        del state
+        state, meta, restored = ckpt.restore(self.abstract_state_sharded(), good[-1])
+        self.skipped_batches = sorted(set(self.skipped_batches) | {bad_batch})
+        self.log(f"jaxpar: {msg}: rolled back to step {restored} and skipping data step {bad_batch}")
+        return state, int(restored)
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def run(cfg: Config, log: Callable[[str], None] = print) -> list[dict]:
-    """What `jaxpar train` does: print the resolved config, save it, compile, train."""
+def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None = None) -> list[dict]:
+    """What `jaxpar train` does: plan the resume (adapting the layout to the device count), print
+    the resolved config, save it, compile, restore, train; save on SIGTERM/SIGINT and return."""
+    from jaxpar.checkpoint import ResumePlan, plan_resume
+    plan = plan_resume(cfg) if cfg.checkpoint.enabled else ResumePlan(cfg)
+    cfg = plan.cfg
+    for change in plan.changes:
+        log(f"elastic resume: {change}")
     out = cfg.out_dir
     if jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
         log("resolved config:\n" + cfg.to_yaml())
     from jaxpar.observe import build_callbacks
-    trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg))
+    trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg) + list(callbacks or []))
     compiled = trainer.compile()
-    log(trainer.banner(compiled))
-    _, history = trainer.fit(out_dir=out)
+    state, start, where = trainer.restore(plan, out_dir=out)
+    log(trainer.banner(compiled, extra={"resumed from" if state is not None else "start": where}))
+    _, history = trainer.fit(state, start, out_dir=out)
     if history:
         first, last = history[0], history[-1]
         log(f"done: {len(history)} logged steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "

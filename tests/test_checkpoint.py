@@ -1,0 +1,254 @@
+"""Checkpoint format, keep policy, integrity checks and fall back, inspect, elastic layout
+planning, metrics truncation, the non-finite guard. In process (the subprocess tests that kill
+runs are in test_checkpoint_resume.py)."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar import checkpoint as ck
+from jaxpar.cli import main as cli_main
+from jaxpar.config import make_config
+from tests.conftest import tiny_config
+
+
+def _state(devices, n=8, seed=0):
+    mesh = Mesh(np.array(devices[:n]).reshape(n), ("x",))
+    rng = np.random.default_rng(seed)
+    host = {"step": np.int32(7), "params": {"w": rng.standard_normal((64, 32)).astype(np.float32),
+                                            "b": rng.standard_normal((32,)).astype(np.float32)},
+            "opt_state": {"count": np.int32(3), "mu": rng.standard_normal((64, 32)).astype(np.float32)}}
+    shard = {"step": P(), "params": {"w": P("x"), "b": P()}, "opt_state": {"count": P(), "mu": P("x")}}
+    state = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), host, shard)
+    return host, state
+
+
+def _target(devices, n, host):
+    """The same tree as ShapeDtypeStructs on an n-device mesh with other shardings."""
+    mesh = Mesh(np.array(devices[:n]).reshape(n), ("y",))
+    shard = {"step": P(), "params": {"w": P(None, "y"), "b": P("y")}, "opt_state": {"count": P(), "mu": P()}}
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                        host, shard)
+
+
+def _save_steps(root, devices, steps, **kw):
+    mgr = ck.Checkpointer(root, **kw)
+    host, state = _state(devices)
+    for s in steps:
+        mgr.save(s, state, {"devices": 8, "mesh": {"data": 8}}, {"model": {"dim": 4}})
+    mgr.close()
+    return host
+
+
+def _biggest_data_file(step_dir: Path) -> Path:
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def test_save_restore_other_mesh_and_keep_policy(tmp_path, devices):
+    host = _save_steps(tmp_path / "c", devices, range(1, 7), keep_last=2, keep_every=3)
+    mgr = ck.Checkpointer(tmp_path / "c")
+    assert mgr.all_steps() == [3, 5, 6]  # latest 2 plus every 3rd
+    state, meta, step = mgr.restore(_target(devices, 2, host))
+    assert step == 6 and meta["step"] == 6 and meta["format"] == ck.FORMAT
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(host)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert state["params"]["w"].sharding.spec == P(None, "y")
+    assert len(state["params"]["w"].sharding.mesh.devices.ravel()) == 2
+    # no pickle anywhere in the format
+    for p in (tmp_path / "c").rglob("*"):
+        if p.is_file():
+            assert not p.read_bytes().startswith(b"\x80"), p
+    mgr.close()
+
+
+def test_checksum_is_layout_independent_and_catches_one_bit(devices):
+    host, state = _state(devices)
+    moved = jax.device_put(host, jax.sharding.SingleDeviceSharding(devices[3]))
+    assert ck.fingerprint(state) == ck.fingerprint(moved) == ck.fingerprint(host)
+    flipped = jax.tree.map(np.copy, host)
+    flipped["params"]["w"].view(np.uint32)[5, 7] ^= 1 << 3
+    bad = [k for k, v in ck.fingerprint(flipped).items() if v != ck.fingerprint(host)[k]]
+    assert bad == ["params/w"]
+
+
+def test_corrupted_latest_falls_back_then_clear_error(tmp_path, devices):
+    root = tmp_path / "c"
+    host = _save_steps(root, devices, [1, 2, 3])
+    # step 3: arrays that read fine but are not what was saved (as after a silent bit flip)
+    meta_file = root / "3" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["checksums"]["params/w"] = "00000000"
+    meta_file.write_text(json.dumps(meta))
+    # step 2: truncated
+    f2 = _biggest_data_file(root / "2")
+    f2.write_bytes(f2.read_bytes()[: f2.stat().st_size // 3])
+    warnings = []
+    mgr = ck.Checkpointer(root)
+    state, meta, step = mgr.restore(_target(devices, 4, host), warn=warnings.append)
+    assert step == 1
+    assert len(warnings) == 2
+    assert str(root.absolute() / "3") in warnings[0] and "checksum mismatch" in warnings[0]
+    assert "falling back to step 2" in warnings[0]
+    assert str(root.absolute() / "2") in warnings[1] and "falling back to step 1" in warnings[1]
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), host["params"]["w"])
+    # nothing good left: one clear error
+    shutil.rmtree(root / "1" / "state")
+    with pytest.raises(ck.CheckpointError, match="no good checkpoint"):
+        mgr.restore(_target(devices, 4, host), warn=lambda m: None)
+    mgr.close()
+
+
+def test_inspect_cli(tmp_path, devices, capsys):
+    root = tmp_path / "run" / "checkpoints"
+    _save_steps(root, devices, [2, 4])
+    (root / "6.orbax-checkpoint-tmp-1234").mkdir()  # a save that was killed
+    f = _biggest_data_file(root / "4")
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    assert cli_main(["checkpoint", "inspect", str(tmp_path / "run"), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "step        2  complete, checksums ok" in out
+    assert "step        4  CORRUPTED: " in out
+    assert "step        6  INCOMPLETE: interrupted save" in out
+    assert "mesh data=8 on 8 devices" in out
+    assert "params/w" in out and "64x32" in out and "float32" in out
+    assert "config:" in out and "dim: 4" in out
+    assert cli_main(["checkpoint", "inspect", str(tmp_path / "nowhere")]) == 2
+
+
+def test_adapt_layout_keeps_global_batch():
+    cfg = tiny_config("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
+    meta = ck.layout_meta(cfg, type("M", (), {"shape": {"data": 2, "fsdp": 2, "pipeline": 1, "tensor": 2,
+                                                        "expert": 1}, "axis_names": ("data", "fsdp", "pipeline",
+                                                                                     "tensor", "expert"),
+                                              "devices": np.zeros(8)})())
+    assert meta["batch_parallel"] == 4 and meta["devices"] == 8
+    # same command on 4 devices: the mesh shrinks (tensor kept), grad_accum doubles
+    new, changes = ck.adapt_layout(cfg, meta, 4)
+    assert (new.mesh.data, new.mesh.fsdp, new.mesh.tensor, new.train.grad_accum) == (1, 2, 2, 2)
+    assert any("mesh" in c for c in changes) and any("grad_accum 1 -> 2" in c for c in changes)
+    # 2 devices, explicit data=2: per-device batch would double, so accumulate 2
+    new, changes = ck.adapt_layout(tiny_config("mesh.data=2"), meta, 2)
+    assert new.train.grad_accum == 2 and len(changes) == 1
+    # 1 device: accumulate 4
+    assert ck.adapt_layout(cfg, meta, 1)[0].train.grad_accum == 4
+    # back to 8 after 2 devices with accum 2: accum 1 again (from the config)
+    meta2 = {**meta, "devices": 2, "batch_parallel": 2, "grad_accum": 2}
+    new, changes = ck.adapt_layout(cfg, meta2, 8)
+    assert new.train.grad_accum == 1 and not changes
+    # no layout keeps a global batch of 12 on 8-way data parallelism
+    with pytest.raises(ck.CheckpointError, match="cannot keep the global batch"):
+        ck.adapt_layout(tiny_config("mesh.data=-1", "train.global_batch=12"),
+                        {**meta, "global_batch": 12, "devices": 4, "batch_parallel": 4}, 8)
+
+
+def test_plan_resume_errors(tmp_path, devices):
+    cfg = tiny_config(f"run_dir={tmp_path}", "name=r")
+    assert not ck.plan_resume(cfg, 8).resuming
+    root = ck.checkpoint_dir(cfg)
+    mgr = ck.Checkpointer(root)
+    _, state = _state(devices)
+    mgr.save(3, state, {"devices": 8, "batch_parallel": 8, "grad_accum": 1, "global_batch": 16},
+             {"model": {**cfg.model.model_dump(mode="json"), "dim": 256}})
+    mgr.close()
+    with pytest.raises(ck.CheckpointError, match="another model"):
+        ck.plan_resume(cfg, 8)
+    with pytest.raises(ck.CheckpointError, match="train.resume=never"):
+        ck.plan_resume(tiny_config(f"run_dir={tmp_path}", "name=r", "train.resume=never"), 8)
+    with pytest.raises(ck.CheckpointError, match="no such directory"):
+        ck.plan_resume(tiny_config(f"run_dir={tmp_path}", "name=r", f"train.resume={tmp_path}/x"), 8)
+    plan = ck.plan_resume(tiny_config(f"run_dir={tmp_path}", "name=other", "model.dim=256",
+                                      f"train.resume={root / '3'}"), 8)
+    assert plan.resuming and plan.step == 3 and plan.root == root
+
+
+def test_truncate_metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)) + '{"step": 8, "lo')
+    with open(path, "a") as writer:  # an appending writer survives the in-place truncation
+        assert ck.truncate_metrics(path, 4) == 4
+        writer.write(json.dumps({"step": 5}) + "\n")
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert ck.truncate_metrics(tmp_path / "missing.jsonl", 3) == 0
+
+
+# ---------------------------------------------------------------- the non-finite guard
+
+
+class PoisonSource:
+    """Wraps a token source: rows of the `bad` data steps get a -1 token (the model turns it into NaN)."""
+
+    def __init__(self, base, bad):
+        self.base, self.bad = base, set(bad)
+
+    def rows(self, step, row_indices, seq_len):
+        rows = self.base.rows(step, row_indices, seq_len)
+        if step in self.bad:
+            rows = rows.copy()
+            rows[:, 0] = -1
+        return rows
+
+
+@pytest.fixture(scope="module")
+def poisoned_trainer(devices):
+    from models.llama import Llama
+
+    from jaxpar.train.trainer import Trainer
+
+    class Poisoned(Llama):
+        def __call__(self, tokens):
+            bad = (tokens < 0).any()
+            return super().__call__(jnp.maximum(tokens, 0)) * jnp.where(bad, jnp.nan, 1.0)
+
+    cfg = tiny_config("mesh.data=4", "mesh.tensor=2", "train.steps=5", "train.max_nonfinite=2")
+    trainer = Trainer(cfg, model_factory=lambda rngs: Poisoned(cfg.model, rngs), devices=devices)
+    base = trainer.loader.source
+    trainer.poison = lambda bad: setattr(trainer.loader, "source", PoisonSource(base, bad))
+    return trainer
+
+
+def test_nan_batch_is_skipped_and_counted(poisoned_trainer):
+    tr = poisoned_trainer
+    tr.poison({1})
+    step = tr.compiled or tr.compile()
+    s0 = tr.init_state()
+    s1, m1 = step(s0, tr.loader.batch(0))
+    p1 = jax.tree.map(np.asarray, jax.device_get(s1["params"]))
+    s2, m2 = step(s1, tr.loader.batch(1))
+    assert int(m1["nonfinite"]) == 0 and int(m2["nonfinite"]) == 1 and not np.isfinite(float(m2["loss"]))
+    assert int(s2["step"]) == 2  # the step counter (and so the data position) moves on
+    for a, b in zip(jax.tree.leaves(jax.device_get(s2["params"])), jax.tree.leaves(p1)):
+        np.testing.assert_array_equal(a, b)  # ... the update does not
+    _, hist = tr.fit(progress=False)
+    assert [h["skipped_steps"] for h in hist] == [0, 1, 1, 1, 1]
+    assert np.isnan(hist[1]["loss"])
+    assert all(np.isfinite(h["loss"]) for i, h in enumerate(hist) if i != 1)
+
+
+def test_nonfinite_streak_stops_the_run(poisoned_trainer):
+    from jaxpar.train.trainer import TrainingStopped
+    tr = poisoned_trainer
+    tr.poison({1, 2})
+    with pytest.raises(TrainingStopped, match=r"2 non-finite steps in a row \(steps 2..3"):
+        tr.fit(progress=False)
+
+
+def test_bench_checkpoint_small():
+    from jaxpar.bench import run_bench
+    lines = []
+    assert run_bench("checkpoint", None, ["model.dim=64", "model.n_layers=1", "model.ffn_dim=128",
+                                          "model.n_heads=2", "model.n_kv_heads=1", "train.steps=2"],
+                     as_json=True, out=lines.append) == 0
+    r = json.loads(lines[0])
+    assert r["benchmark"] == "checkpoint" and r["state_bytes"] > 0
+    assert r["save"]["mb_per_s"] > 0 and r["restore"]["mb_per_s"] > 0
+    assert 0 < r["async_save"]["blocking_s"] <= r["async_save"]["total_s"]
+    assert r["overlap"]["step_s_no_save"] > 0
