@@ -172,6 +172,65 @@ class OptimizerConfig(Strict):
     clip_norm: float | None = Field(1.0, gt=0)
 
 
+class GradientCompressionConfig(Strict):
+    """Compression of the data-parallel gradient reduction (jaxpar/collectives).
+
+    `method`: none (float32, the default path), bf16, fp16, int8, onebit, topk, powersgd.
+    `axes`: the mesh axes whose reduction is compressed (default: every data-parallel axis the
+    gradients are summed over); the others are reduced in float32 first (reduce-scatter) and
+    after (all-gather). `scope: dcn` compresses only the across-host part of `data` (its size is
+    `dcn_size`, default the number of processes along `data`; set it to simulate hosts on one).
+    """
+
+    method: str = "none"
+    block_size: int = Field(256, gt=0, description="values per scale (int8, onebit) / per top-k block")
+    error_feedback: bool = True
+    topk_fraction: float = Field(0.01, gt=0, le=1)
+    rank: int = Field(4, gt=0, description="PowerSGD rank")
+    axes: list[str] | None = None
+    scope: Literal["all", "dcn"] = "all"
+    dcn_size: int | None = Field(None, gt=0)
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str) -> str:
+        from jaxpar.collectives import METHODS
+        if v not in METHODS:
+            close = difflib.get_close_matches(v, list(METHODS), n=1)
+            hint = f" did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown gradient compression method {v!r};{hint} valid: {', '.join(METHODS)}")
+        return v
+
+    @field_validator("axes")
+    @classmethod
+    def _axes(cls, v: list[str] | None) -> list[str] | None:
+        for a in v or ():
+            if a not in MESH_AXES:
+                raise ValueError(f"unknown mesh axis {a!r}; valid: {', '.join(MESH_AXES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _blocks(self) -> "GradientCompressionConfig":
+        if self.method == "onebit" and self.block_size % 8:
+            raise ValueError(
+                f"block_size={self.block_size} does not divide into bytes: onebit packs 8 signs per "
+                f"byte, so the block size must be a multiple of 8 (e.g. 256)")
+        if self.method == "topk" and self.block_size > 65536:
+            raise ValueError(f"block_size={self.block_size}: topk indexes blocks with uint16 (<= 65536)")
+        return self
+
+
+class LocalSGDConfig(Strict):
+    """Local SGD: with `sync_every: H > 1`, data-parallel replicas step alone for H steps, then
+    average their parameters (`outer: average`) or apply the average change with an outer
+    Nesterov optimizer (`outer: nesterov`, DiLoCo: `outer_lr` 0.7, `outer_momentum` 0.9)."""
+
+    sync_every: int = Field(1, gt=0)
+    outer: Literal["average", "nesterov"] = "average"
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+
+
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
@@ -309,6 +368,8 @@ class Config(Strict):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    gradient_compression: GradientCompressionConfig = Field(default_factory=GradientCompressionConfig)
+    local_sgd: LocalSGDConfig = Field(default_factory=LocalSGDConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -92,3 +92,15 @@ def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[st
         return jax.lax.psum(g, rest) if rest else g
 
     return jax.tree.map(reduce, grads, grad_specs)
+
+
+def reduce_data_parallel(grads, grad_specs, manual: frozenset[str], sizes: dict[str, int],
+                         reducer=None, comm: dict | None = None, extra: dict | None = None):
+    """The final data-parallel reduction: (grads, comm). Without a reducer (or with
+    gradient_compression.method none) the default psums above, bit for bit; with one
+    (jaxpar.collectives.GradientReducer) the compressed reduction, whose error-feedback
+    residuals `comm` (this device's rows of state["comm"]) come in and go out; `extra` is more
+    of the state the reducer asked for (1-bit Adam: the optimizer's momentum and step)."""
+    if reducer is None:
+        return reduce_final_grads(grads, grad_specs, manual, sizes), {}
+    return reducer.reduce(grads, comm, extra)

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import nn
-from jaxpar.parallel.data import GATHERED, param_preparer, reduce_final_grads, scatter_microbatch_grads
+from jaxpar.parallel.data import GATHERED, param_preparer, reduce_data_parallel, scatter_microbatch_grads
 from jaxpar.parallel.tensor import activation_constrainer
 from jaxpar.sharding import Plan
 from jaxpar.train.model import ModelDef
@@ -39,13 +39,15 @@ class StepSpec:
     opt_shardings: Any
     state_shardings: Any
     batch_sharding: NamedSharding
+    reducer: Any = None  # jaxpar.collectives.GradientReducer when gradients are compressed
 
 
 def _is_axes(x) -> bool:
     return isinstance(x, tuple)
 
 
-def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation) -> StepSpec:
+def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation,
+                   compression: Any = None) -> StepSpec:
     param_specs = jax.tree.map(lambda ax, s: plan.spec(ax, s.shape, "param"), model.axes, model.shapes,
                                is_leaf=_is_axes)
     grad_specs = jax.tree.map(lambda ax, s: plan.spec(ax, s.shape, "grad"), model.axes, model.shapes,
@@ -63,8 +65,14 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
         "params": jax.tree.map(to_sh, param_specs, is_leaf=lambda x: isinstance(x, P)),
         "opt_state": opt_shardings,
     }
+    reducer = None
+    if compression is not None and compression.method != "none":
+        from jaxpar.collectives.reducer import GradientReducer
+        reducer = GradientReducer(compression, plan, model, grad_specs)
+        if reducer.stateful:  # error-feedback residuals: one row per batch device
+            state_shardings["comm"] = reducer.state_shardings()
     return StepSpec(param_specs, grad_specs, opt_shardings, state_shardings,
-                    plan.sharding(plan.batch_spec()))
+                    plan.sharding(plan.batch_spec()), reducer)
 
 
 def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int], dict]:
@@ -72,7 +80,10 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
     def init(seed):
         params = model.init(seed)
         params = jax.tree.map(lambda x: x.astype(param_dtype), params)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        if "comm" in spec.state_shardings:
+            state["comm"] = spec.reducer.init_state()
+        return state
     return jax.jit(init, static_argnums=0, out_shardings=spec.state_shardings)
 
 
@@ -101,7 +112,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             logits = model.merge(state)(tokens[:, :-1])
         return loss_sum_fn(logits, tokens[:, 1:]) / n_tokens
 
-    def local_grads(params, tokens):
+    def local_grads(params, tokens, comm):
         n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * plan.batch_size_divisor
         mbs = tokens.reshape(grad_accum, tokens.shape[0] // grad_accum, tokens.shape[1])
 
@@ -114,18 +125,19 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_out, plan, manual))
         acc0 = jax.tree.map(lambda z, p: jnp.zeros(z.shape, p.dtype), zeros, params)
         grads, losses = jax.lax.scan(body, acc0, mbs)
-        grads = reduce_final_grads(grads, grad_out, manual, plan.mesh.shape)
+        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm)
         busy = tuple(a for a in manual if plan.mesh.shape[a] > 1)
-        return (jax.lax.psum(losses.sum(), busy) if busy else losses.sum()), grads
+        return (jax.lax.psum(losses.sum(), busy) if busy else losses.sum()), grads, comm
 
+    comm_specs = spec.reducer.state_specs() if "comm" in spec.state_shardings else {}
     sharded_grads = jax.shard_map(
-        local_grads, mesh=plan.mesh, in_specs=(param_in, plan.batch_spec()),
-        out_specs=(P(), grad_out), axis_names=set(manual), check_vma=False,
+        local_grads, mesh=plan.mesh, in_specs=(param_in, plan.batch_spec(), comm_specs),
+        out_specs=(P(), grad_out, comm_specs), axis_names=set(manual), check_vma=False,
     )
     grad_shardings = jax.tree.map(plan.sharding, spec.grad_specs, is_leaf=is_spec)
 
     def step(state, tokens):
-        loss, grads = sharded_grads(state["params"], tokens)
+        loss, grads, comm = sharded_grads(state["params"], tokens, state.get("comm", {}))
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -139,7 +151,13 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             metrics["nonfinite"] = jnp.logical_not(ok).astype(jnp.int32)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state["step"])
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        if comm:
+            if "nonfinite" in metrics:  # a skipped step keeps its error-feedback residuals too
+                comm = jax.tree.map(lambda new, old: jnp.where(metrics["nonfinite"] == 0, new, old),
+                                    comm, state["comm"])
+            new_state["comm"] = comm
+        return new_state, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
                    out_shardings=(spec.state_shardings, None), donate_argnums=0)

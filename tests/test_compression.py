@@ -1,0 +1,247 @@
+"""Compressed gradient collectives: codecs against numpy, error feedback, HLO dtypes, training."""
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpar.collectives import BF16, FP16, Int8, OneBit, PowerSGD, TopK, Group, make_compressor
+from jaxpar.config import ConfigError
+from jaxpar.metrics import collective_ops
+from jaxpar.train.trainer import Trainer
+from tests.conftest import tiny_config
+
+N = 8
+rng = np.random.default_rng(0)
+
+
+def blocks(x, b):
+    return x.reshape(x.shape[0], -1, b)
+
+
+# --------------------------------------------------------------------------- codecs vs numpy
+
+def test_int8_matches_numpy():
+    x = rng.normal(size=(3, 512)).astype(np.float32)
+    x[1, :64] = 0  # an all-zero block
+    p = Int8(block_size=64).compress(jnp.asarray(x))
+    scale = np.abs(blocks(x, 64)).max(-1) / 127
+    q = np.clip(np.round(blocks(x, 64) / np.where(scale > 0, scale, 1)[..., None]), -127, 127)
+    np.testing.assert_array_equal(np.asarray(p["q"]).reshape(q.shape), q)
+    assert p["q"].dtype == jnp.int8
+    y = np.asarray(Int8(block_size=64).decompress(p))
+    np.testing.assert_allclose(y, (q * scale[..., None]).reshape(x.shape), rtol=1e-6)
+    assert np.abs(y - x).max() <= scale.max() / 2 * 1.0001
+
+
+def test_onebit_matches_numpy():
+    x = rng.normal(size=(2, 256)).astype(np.float32)
+    c = OneBit(block_size=32)
+    p = c.compress(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(p["signs"]), np.packbits(x >= 0, axis=-1, bitorder="little"))
+    assert p["signs"].dtype == jnp.uint8 and p["signs"].shape == (2, 32)
+    scale = np.abs(blocks(x, 32)).mean(-1)
+    want = (np.where(blocks(x, 32) >= 0, 1, -1) * scale[..., None]).reshape(x.shape)
+    np.testing.assert_allclose(np.asarray(c.decompress(p)), want, rtol=1e-6)
+
+
+def test_16bit_casts_match_numpy():
+    x = (rng.normal(size=(2, 64)) * 1e5).astype(np.float32)  # beyond fp16's range unscaled
+    y = np.asarray(BF16().decompress(BF16().compress(jnp.asarray(x))))
+    np.testing.assert_array_equal(y, x.astype(ml_dtypes.bfloat16).astype(np.float32))
+    p = FP16().compress(jnp.asarray(x))
+    assert np.isfinite(np.asarray(p["x"], np.float32)).all()
+    scale = np.abs(x).max(-1) / 2.0 ** 15
+    want = (x / scale[:, None]).astype(np.float16).astype(np.float32) * scale[:, None]
+    np.testing.assert_allclose(np.asarray(FP16().decompress(p)), want, rtol=1e-6)
+
+
+def test_topk_matches_numpy():
+    x = rng.normal(size=(2, 128)).astype(np.float32)
+    c = TopK(block_size=32, fraction=0.25)
+    y = np.asarray(c.decompress(c.compress(jnp.asarray(x))))
+    b = blocks(x, 32)
+    keep = np.argsort(-np.abs(b), axis=-1)[..., :8]
+    want = np.zeros_like(b)
+    np.put_along_axis(want, keep, np.take_along_axis(b, keep, -1), -1)
+    np.testing.assert_array_equal(y, want.reshape(x.shape))
+    assert c.compress(jnp.asarray(x))["index"].dtype == jnp.uint8
+
+
+def test_powersgd_matches_numpy():
+    m = rng.normal(size=(2, 24, 16)).astype(np.float32)
+    q = rng.normal(size=(2, 16, 4)).astype(np.float32)
+    c = PowerSGD(rank=4)
+    y = np.asarray(c.decompress(c.compress(jnp.asarray(m), jnp.asarray(q))))
+    p = np.linalg.qr(m @ q)[0]
+    want = p @ np.swapaxes(np.swapaxes(m, -1, -2) @ p, -1, -2)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- reductions on 8 devices
+
+def reduce_steps(comp, xs, devices, state0):
+    """Run comp.reduce over data=8 for each step's per-device inputs xs[t] ([N, L])."""
+    mesh = Mesh(np.asarray(devices), ("data",))
+    group = Group(("data",), N)
+
+    def f(x, st):
+        st = jax.tree.map(lambda a: a[0], st)
+        out, st = comp.reduce(x[0], st, group) if not isinstance(comp, PowerSGD) else \
+            comp.reduce_matrix(x[0], st, group)
+        return out[None], jax.tree.map(lambda a: a[None], st)
+
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data")),
+                               check_vma=False))
+    outs, st = [], state0
+    for x in xs:
+        out, st = fn(jnp.asarray(x), st)
+        out = np.asarray(out)
+        np.testing.assert_array_equal(out, np.broadcast_to(out[0], out.shape))  # same sum everywhere
+        outs.append(out[0])
+    return outs, jax.tree.map(np.asarray, st)
+
+
+L = N * 256
+CASES = {
+    "bf16": (BF16(), 1e-2), "fp16": (FP16(), 2e-3), "int8": (Int8(block_size=64), 0.05),
+    "onebit": (OneBit(block_size=64), None), "topk": (TopK(block_size=64, fraction=0.25), None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reduce_sums_and_error_feedback_loses_nothing(name, devices):
+    comp, tol = CASES[name]
+    xs = [rng.normal(size=(N, L)).astype(np.float32) for _ in range(4)]
+    state0 = jax.tree.map(lambda s: jnp.zeros((N, *s), jnp.float32), comp.state_shapes(L, N),
+                          is_leaf=lambda s: isinstance(s, tuple))
+    outs, st = reduce_steps(comp, xs, devices, state0)
+    true = [x.sum(0) for x in xs]
+    if tol is not None:  # one step is already close to the exact sum
+        np.testing.assert_allclose(outs[0], true[0], atol=tol * np.abs(true[0]).max())
+    if comp.error_feedback:
+        # what was sent, plus every device's residuals, is the sum of the true inputs
+        left = st["worker"].sum(0) + (st["server"].reshape(-1) if "server" in st else 0)
+        np.testing.assert_allclose(sum(outs) + left, sum(true), atol=2e-4 * np.abs(sum(true)).max())
+        assert np.abs(left).max() > 0
+
+
+def test_powersgd_error_feedback_loses_nothing(devices):
+    comp = PowerSGD(rank=2)
+    xs = [rng.normal(size=(N, 1, 32, 24)).astype(np.float32) for _ in range(3)]
+    st0 = {"residual": jnp.zeros((N, 1, 32, 24)), "q": jnp.asarray(np.broadcast_to(
+        rng.normal(size=(1, 24, 2)).astype(np.float32), (N, 1, 24, 2)))}
+    outs, st = reduce_steps(comp, xs, devices, st0)
+    true = sum(x.sum(0) for x in xs)
+    np.testing.assert_allclose(sum(outs) + st["residual"].sum(0), true, atol=1e-3 * np.abs(true).max())
+
+
+# --------------------------------------------------------------------------- training
+
+DP = ["mesh.data=8", "sharding.zero_stage=0", "train.steps=3", "optimizer.lr=3e-3"]
+METHODS = ["none", "bf16", "fp16", "int8", "onebit", "topk", "powersgd"]
+EXTRA = {"topk": ["gradient_compression.topk_fraction=0.1"]}
+
+
+def train(overrides, devices):
+    t = Trainer(tiny_config(*DP, *overrides), devices=devices, log=lambda s: None)
+    t.compile()
+    state, hist = t.fit(progress=False)
+    return t, state, [h["loss"] for h in hist]
+
+
+@pytest.fixture(scope="module")
+def runs(devices):
+    out = {}
+    for m in METHODS:
+        out[m] = train([f"gradient_compression.method={m}", *EXTRA.get(m, [])], devices)
+    return out
+
+
+def lowered_text(t):
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         t.abstract_state(), t.spec.state_shardings)
+    c = t.cfg.train
+    batch = jax.ShapeDtypeStruct((c.global_batch, c.seq_len + 1), jnp.int32, sharding=t.spec.batch_sharding)
+    return t.step_fn.lower(state, batch).as_text()
+
+
+def test_none_equals_default_bit_for_bit(runs, devices):
+    """method none is the default program itself (same lowered step), so the same bits."""
+    t_none, state, _ = runs["none"]
+    t_default = Trainer(tiny_config(*DP), devices=devices, log=lambda s: None)
+    assert t_none.spec.reducer is None and "comm" not in state
+    assert lowered_text(t_default) == lowered_text(t_none)
+
+
+@pytest.mark.parametrize("method", METHODS[1:])
+def test_training_lowers_the_loss(method, runs):
+    _, state, losses = runs[method]
+    assert losses[-1] < losses[0] - 0.05, losses
+    if method in ("bf16", "fp16", "int8"):
+        np.testing.assert_allclose(losses, runs["none"][2], rtol=2e-3)
+
+
+@pytest.mark.parametrize("method,wire", [("int8", "s8"), ("onebit", "u8"), ("bf16", "u16"), ("fp16", "f16")])
+def test_hlo_reduction_is_compressed(method, wire, runs):
+    trainer, state, _ = runs[method]
+    ops = collective_ops(trainer.compiled.as_text(), count_loops=True)
+    by = {}
+    for op in ops:
+        by[(op.kind, op.dtype)] = by.get((op.kind, op.dtype), 0) + op.bytes
+    f32_psum = 4 * trainer.model.n_params
+    assert by.get(("all-to-all", wire), 0) > 0 and by.get(("all-gather", wire), 0) > 0, by
+    assert by.get(("all-reduce", "f32"), 0) < 64, by  # only the loss is all-reduced
+    # float32 scales ride along, a small fraction of the payload
+    assert sum(v for (k, d), v in by.items() if d == "f32") < 0.05 * f32_psum, by
+
+
+@pytest.mark.parametrize("method", ["int8", "onebit", "topk", "powersgd"])
+def test_residuals_live_in_the_state_sharded_per_device(method, runs):
+    trainer, state, _ = runs[method]
+    leaves = jax.tree.leaves(state["comm"])
+    assert leaves
+    for x in leaves:
+        assert x.shape[0] == N and x.sharding.spec == P(trainer.plan.batch_axes)
+        assert x.addressable_shards[0].data.shape[0] == 1
+    assert any(float(jnp.abs(x).max()) > 0 for x in leaves)
+
+
+def test_resume_with_residuals_is_exact(runs):
+    t, full, _ = runs["int8"]
+    steps = t.cfg.train.steps
+    t.cfg.train.steps = 2
+    half, _ = t.fit(progress=False)
+    t.cfg.train.steps = steps
+    saved = jax.device_get(half)  # what a checkpoint holds
+    restored = jax.device_put(saved, t.spec.state_shardings)
+    resumed, _ = t.fit(restored, start_step=2, progress=False)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_dcn_scope_compresses_only_across_hosts(devices):
+    """data=8 as 2 simulated hosts x 4: float32 reduce-scatter/all-gather inside a host (groups
+    of 4), int8 across hosts (groups of 2)."""
+    t, _, losses = train(["gradient_compression.method=int8", "gradient_compression.scope=dcn",
+                          "gradient_compression.dcn_size=2"], devices)
+    assert "float32 over data[4 of 8]" in t.spec.reducer.describe()
+    ops = collective_ops(t.compiled.as_text())
+    s8 = [o for o in ops if o.dtype == "s8"]
+    rs = [o for o in ops if o.kind == "reduce-scatter" and o.dtype == "f32"]
+    assert s8 and rs
+    assert all(o.replica_groups.count("{") - 1 == 4 for o in s8), s8[0].replica_groups  # 4 groups of 2
+    assert all(o.replica_groups.count("{") - 1 == 2 for o in rs), rs[0].replica_groups  # 2 groups of 4
+    assert losses[-1] < losses[0] - 0.05
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="unknown gradient compression method 'int4'.*valid: none"):
+        tiny_config("gradient_compression.method=int4")
+    with pytest.raises(ConfigError, match="block_size=100 does not divide into bytes"):
+        tiny_config("gradient_compression.method=onebit", "gradient_compression.block_size=100")
+    with pytest.raises(ConfigError, match="unknown mesh axis 'dat'"):
+        tiny_config("gradient_compression.method=int8", "gradient_compression.axes=[dat]")
