@@ -1,0 +1,241 @@
+"""`jaxpar bench comm`: bytes each collective kind moves per step, from the compiled HLO, beside
+the analytic minimum of the layout.
+
+Rows: pure data parallel (mesh data=-1, zero 0) and zero_stage 0..3 on the benchmark's mesh
+(default: fsdp over every device, fsdp=8 on 8 devices). Measured: every collective of
+`trainer.compile().as_text()` (`jaxpar.metrics.collective_ops`, count_loops=True, so an op in the
+layer scan counts n_layers times and one in the microbatch scan grad_accum times).
+
+Two conventions, per device:
+  - result bytes: the size of the op's result shape on one device (what jaxpar.metrics reports;
+    all-gather: the gathered buffer, reduce-scatter: the local shard, all-reduce: the buffer);
+  - wire bytes: what a ring algorithm sends per device over a group of N devices:
+      all-reduce 2(N-1)/N * S,  all-gather (N-1)/N * S_out,  reduce-scatter (N-1)/N * S_in,
+      all-to-all (N-1)/N * S,  collective-permute S.
+    N comes from each op's replica groups, so collectives over size-1 groups count 0.
+
+Analytic minimum, exact for what the plan shards: for every param, L = its per-device bytes
+outside the batch axes (i.e. after tensor sharding), Z = the batch axes its optimizer state
+is sharded over (fsdp from ZeRO-1), B = all batch axes, A = train.grad_accum:
+  - Z empty (stage 0, or a param the plan does not shard, e.g. norm scales): one all-reduce of
+    the gradient over B (result L);
+  - stage 1: reduce-scatter of the gradient over Z (in L, out L/|Z|), all-reduce of that shard
+    over B minus Z, then all-gather of the updated param over Z (result L)  [ZeRO paper sec. 7:
+    same wire volume as data parallel];
+  - stage 2: as stage 1 but one reduce-scatter per microbatch (A of them);
+  - stage 3: per microbatch, all-gather forward + all-gather again in the backward (result L
+    each, in the compute dtype) and one reduce-scatter of the gradient (in L, compute dtype);
+    all-reduce of the shard over B minus Z; no all-gather after the update.
+Scalars (loss, grad-norm partial sums) are left out of the analytic figure.
+The rough formula is the same for the whole model with Psi params (4 bytes each), N = |Z|:
+  DP: AR 4Psi;  ZeRO-1: RS 4Psi/N + AG 4Psi;  ZeRO-2: A*RS 4Psi/N + AG 4Psi;
+  ZeRO-3: A*(2 AG 4Psi + RS 4Psi/N).
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxpar.bench.common import (describe_config, fmt_bytes, fmt_ratio, mesh_overrides, ratio, table,
+                                 with_overrides)
+from jaxpar.config import Config
+from jaxpar.mesh import describe
+from jaxpar.metrics import COLLECTIVE_KINDS, collective_ops
+from jaxpar.sharding import ZERO_AXIS, Plan
+from jaxpar.train.step import DTYPES
+
+LAYOUT: list[str] = mesh_overrides(fsdp=-1)
+DP_LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0"]
+STAGES = (0, 1, 2, 3)
+
+# --------------------------------------------------------------------------- wire bytes
+
+
+def group_size(replica_groups: str, n_devices: int) -> int:
+    """Devices per replica group, from the HLO attribute text.
+
+    Formats: `mesh['data'=1,'fsdp'=8] {'fsdp'}` (named axes), `[2,4]<=[8]` (iota: groups x
+    size), `{{0,1},{2,3}}` (explicit), `{}` / empty (all devices)."""
+    text = replica_groups.strip()
+    m = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'?([\w\-]+)'?\s*=\s*(\d+)", m.group(1))}
+        names = re.findall(r"'([\w\-]+)'", m.group(2)) or re.findall(r"[\w\-]+", m.group(2))
+        return math.prod(sizes[n] for n in names) if names else n_devices
+    m = re.match(r"\[([\d,\s]+)\]<=", text)
+    if m:
+        dims = [int(d) for d in m.group(1).split(",")]
+        return dims[-1] if len(dims) > 1 else dims[0]
+    m = re.match(r"\{\s*\{([^}]*)\}", text)
+    if m:
+        return len([d for d in m.group(1).split(",") if d.strip()])
+    return n_devices
+
+
+def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
+    """Ring-algorithm bytes sent per device for one op of `kind` over a group of n devices."""
+    if n <= 1:
+        return 0.0
+    f = (n - 1) / n
+    if kind == "all-reduce":
+        return 2 * f * result_bytes
+    if kind == "reduce-scatter":
+        return f * result_bytes * n  # input = n * result
+    if kind == "collective-permute":
+        return float(result_bytes)
+    return f * result_bytes  # all-gather (result = gathered), all-to-all
+
+
+def measured(hlo_text: str, n_devices: int) -> dict[str, dict]:
+    """Per kind: ops, result bytes and ring wire bytes per step (loop trip counts applied)."""
+    out = {k: {"ops": 0, "result_bytes": 0, "wire_bytes": 0.0, "group_sizes": set()} for k in COLLECTIVE_KINDS}
+    for op in collective_ops(hlo_text, count_loops=True):
+        n = group_size(op.replica_groups, n_devices)
+        row = out[op.kind]
+        row["ops"] += 1
+        row["result_bytes"] += op.bytes
+        row["wire_bytes"] += wire_bytes(op.kind, op.bytes, n)
+        row["group_sizes"].add(n)
+    for row in out.values():
+        row["group_sizes"] = sorted(row["group_sizes"])
+    return out
+
+
+# --------------------------------------------------------------------------- analytic
+
+
+def _names(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def analytic(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_itemsize: int,
+             compute_itemsize: int) -> dict[str, dict]:
+    """The minimum per-device result and wire bytes per kind for `plan` (see module doc)."""
+    mesh = plan.mesh.shape
+    batch = tuple(a for a in plan.batch_axes if mesh[a] > 1)
+    size = lambda axes: math.prod(mesh[a] for a in axes)
+    out = {k: {"result_bytes": 0.0, "wire_bytes": 0.0} for k in COLLECTIVE_KINDS}
+
+    def add(kind, result, n, times=1):
+        if n > 1:
+            out[kind]["result_bytes"] += times * result
+            out[kind]["wire_bytes"] += times * wire_bytes(kind, result, n)
+
+    leaves = zip(jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(shapes_tree))
+    for ax, sds in leaves:
+        shape = sds.shape
+        full = plan.spec(ax, shape, "act")  # every mesh axis the rules give this param
+        local = [d // size(tuple(a for a in _names(e) if a not in batch))
+                 for d, e in zip(shape, (*full, *(None,) * (len(shape) - len(full))))]
+        elems = math.prod(local)
+        opt = plan.spec(ax, shape, "opt")
+        z = tuple(a for e in opt for a in _names(e) if a in batch)
+        nz, rest = size(z), tuple(a for a in batch if a not in z)
+        if plan.zero_stage == 0 or nz == 1:
+            add("all-reduce", elems * param_itemsize, size(batch))
+        elif plan.zero_stage in (1, 2):
+            L = elems * param_itemsize
+            add("reduce-scatter", L / nz, nz, grad_accum if plan.zero_stage == 2 else 1)
+            add("all-reduce", L / nz, size(rest))
+            add("all-gather", L, nz)
+        else:
+            L = elems * compute_itemsize
+            add("all-gather", L, nz, 2 * grad_accum)
+            add("reduce-scatter", L / nz, nz, grad_accum)
+            add("all-reduce", elems * param_itemsize / nz, size(rest))
+    return out
+
+
+def rough(n_params: int, n: int, stage: int, grad_accum: int, dp: bool = False) -> dict[str, tuple[str, float]]:
+    """Whole-model figures with Psi params of 4 bytes: kind -> (formula, result bytes)."""
+    p = 4 * n_params
+    if dp or stage == 0:
+        return {"all-reduce": ("4Psi", p)}
+    if stage in (1, 2):
+        a = grad_accum if stage == 2 else 1
+        return {"reduce-scatter": (f"{a}*4Psi/N" if a > 1 else "4Psi/N", a * p / n),
+                "all-gather": ("4Psi", p)}
+    return {"all-gather": (f"{2 * grad_accum}*4Psi", 2 * grad_accum * p),
+            "reduce-scatter": (f"{grad_accum}*4Psi/N" if grad_accum > 1 else "4Psi/N", grad_accum * p / n)}
+
+
+# --------------------------------------------------------------------------- run
+
+
+def measure_layout(cfg: Config, label: str) -> dict:
+    from jaxpar.train.trainer import Trainer
+
+    trainer = Trainer(cfg, log=lambda s: None)
+    t0 = time.perf_counter()
+    hlo = trainer.compile().as_text()
+    compile_s = time.perf_counter() - t0
+    plan, t = trainer.plan, cfg.train
+    n_dev = trainer.mesh.devices.size
+    meas = measured(hlo, n_dev)
+    ana = analytic(plan, trainer.model.axes, trainer.model.shapes, grad_accum=t.grad_accum,
+                   param_itemsize=np.dtype(DTYPES[t.param_dtype]).itemsize,
+                   compute_itemsize=np.dtype(DTYPES[t.compute_dtype]).itemsize)
+    n_z = trainer.mesh.shape[ZERO_AXIS]
+    rgh = rough(trainer.model.n_params, n_z, plan.zero_stage, t.grad_accum, dp=label == "dp")
+    kinds = {}
+    for k in COLLECTIVE_KINDS:
+        m, a = meas[k], ana[k]
+        if not (m["ops"] or a["result_bytes"]):
+            continue
+        kinds[k] = {**m, "analytic_result_bytes": a["result_bytes"], "analytic_wire_bytes": a["wire_bytes"],
+                    "rough_formula": rgh[k][0] if k in rgh else None,
+                    "rough_result_bytes": rgh[k][1] if k in rgh else None,
+                    "wire_ratio": ratio(m["wire_bytes"], a["wire_bytes"])}
+    tot_m = sum(v["wire_bytes"] for v in meas.values())
+    tot_a = sum(v["wire_bytes"] for v in ana.values())
+    return {
+        "label": label, "mesh": describe(trainer.mesh), "mesh_shape": dict(trainer.mesh.shape),
+        "zero_stage": plan.zero_stage, "n_params": trainer.model.n_params, "compile_s": compile_s,
+        "kinds": kinds,
+        "total": {"wire_bytes": tot_m, "analytic_wire_bytes": tot_a, "wire_ratio": ratio(tot_m, tot_a),
+                  "result_bytes": sum(v["result_bytes"] for v in meas.values()),
+                  "analytic_result_bytes": sum(v["result_bytes"] for v in ana.values())},
+    }
+
+
+def run(cfg: Config, log: Callable[[str], None] = lambda s: None, stages=STAGES, dp: bool = True) -> dict:
+    layouts = []
+    if dp:
+        layouts.append(("dp", with_overrides(cfg, DP_LAYOUT)))
+    layouts += [(f"zero{s}", with_overrides(cfg, [f"sharding.zero_stage={s}"])) for s in stages]
+    rows = []
+    for label, c in layouts:
+        log(f"comm: {label}: compiling")
+        rows.append(measure_layout(c, label))
+    return {"n_params": rows[0]["n_params"], **describe_config(cfg), "layouts": rows}
+
+
+def format_result(res: dict) -> str:
+    t = res["train"]
+    head = (f"collective bytes per step per device: {res['n_params']:,} params (Psi), batch "
+            f"{t['global_batch']} x {t['seq_len']}, grad_accum {t['grad_accum']}, {t['compute_dtype']} compute\n"
+            "result = bytes of the op's result shape on one device; wire = ring-algorithm bytes sent per device "
+            "(AR 2(N-1)/N*S, AG (N-1)/N*S_out, RS (N-1)/N*S_in);\nanalytic = exact minimum for the plan's specs; "
+            "rough = whole-model formula (N = fsdp size, A = grad_accum)")
+    rows = []
+    for lay in res["layouts"]:
+        name = f"{lay['label']} ({', '.join(f'{a}={n}' for a, n in lay['mesh_shape'].items() if n > 1)})"
+        for k, v in lay["kinds"].items():
+            rows.append([name, k, v["ops"], ",".join(map(str, v["group_sizes"])) or "-",
+                         fmt_bytes(v["result_bytes"]), fmt_bytes(v["analytic_result_bytes"]),
+                         f"{v['rough_formula']} = {fmt_bytes(v['rough_result_bytes'])}" if v["rough_formula"] else "-",
+                         fmt_bytes(v["wire_bytes"]), fmt_bytes(v["analytic_wire_bytes"]), fmt_ratio(v["wire_ratio"])])
+            name = ""
+        tot = lay["total"]
+        rows.append(["", "total", "", "", fmt_bytes(tot["result_bytes"]), fmt_bytes(tot["analytic_result_bytes"]),
+                     "", fmt_bytes(tot["wire_bytes"]), fmt_bytes(tot["analytic_wire_bytes"]),
+                     fmt_ratio(tot["wire_ratio"])])
+    return "\n".join([head, "", table(
+        ["layout", "kind", "ops", "N", "result", "analytic", "rough", "wire", "analytic wire", "wire ratio"],
+        rows)])
