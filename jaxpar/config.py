@@ -23,6 +23,40 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class MoEConfig(Strict):
+    """Mixture-of-experts MLPs (models/moe.py). `num_experts: 0` is a dense model.
+
+    Every `every_n`-th layer (the n-th, 2n-th, ...) has `num_experts` SwiGLU experts of
+    `expert_ffn_dim` (default `model.ffn_dim`) and a softmax router choosing `top_k` per token
+    (gates renormalized over the k when `normalize_gates`, default: top_k > 1), plus an optional
+    always-on `shared_expert`. `dispatch`: `capacity` gives each expert
+    ceil(capacity_factor * seq * top_k / num_experts) slots per sequence and drops the overflow
+    (those tokens pass through the residual); `dropless` computes every assignment (ragged_dot).
+    Router losses, averaged over the MoE layers and added to the loss with their coefficients:
+    the Switch load-balancing loss and the router z-loss."""
+
+    num_experts: int = Field(0, ge=0)
+    top_k: int = Field(2, gt=0)
+    every_n: int = Field(1, gt=0)
+    expert_ffn_dim: int | None = Field(None, gt=0)
+    shared_expert: bool = False
+    shared_ffn_dim: int | None = Field(None, gt=0)
+    dispatch: Literal["capacity", "dropless"] = "capacity"
+    capacity_factor: float = Field(1.25, gt=0)
+    normalize_gates: bool | None = None
+    load_balance_coef: float = Field(0.01, ge=0)
+    z_loss_coef: float = Field(0.001, ge=0)
+
+    @model_validator(mode="after")
+    def _check_k(self) -> "MoEConfig":
+        if self.num_experts and self.top_k > self.num_experts:
+            raise ValueError(
+                f"top_k={self.top_k} is above num_experts={self.num_experts}; a token picks "
+                f"top_k distinct experts, so use top_k <= num_experts"
+            )
+        return self
+
+
 class ModelConfig(Strict):
     """A Llama-style decoder. `preset` fills the fields; fields given beside it win."""
 
@@ -38,19 +72,25 @@ class ModelConfig(Strict):
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
 
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("preset") is not None:
             from models.llama import PRESETS
+            from models.moe import PRESETS as MOE_PRESETS
 
+            PRESETS = {**PRESETS, **MOE_PRESETS}
             name = data["preset"]
             if name not in PRESETS:
                 raise ValueError(
                     f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}"
                 )
-            return {**PRESETS[name], **data}
+            merged = {**PRESETS[name], **data}
+            if isinstance(PRESETS[name].get("moe"), dict) and isinstance(data.get("moe"), dict):
+                merged["moe"] = {**PRESETS[name]["moe"], **data["moe"]}  # preset's moe, then yours
+            return merged
         return data
 
     @model_validator(mode="after")
@@ -61,6 +101,12 @@ class ModelConfig(Strict):
             )
         if self.head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+        return self
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> "ModelConfig":
+        if self.moe.num_experts and self.n_layers % self.moe.every_n:
+            raise ValueError(f"n_layers={self.n_layers} is not a multiple of moe.every_n={self.moe.every_n}")
         return self
 
     @property

@@ -2,6 +2,10 @@
 
 - `param(...)`: an `nnx.Param` whose dims carry logical names (metadata `axes`).
 - `constrain(x, axes)`: an activation sharding hint by logical names.
+- `experts(x, idx, gates, ffn, ragged_ffn, ...)`: mixture-of-experts dispatch -> expert MLPs ->
+  combine; a plain local computation, or an all_to_all over the expert devices in a step.
+- `sow(name, value, loss_weight=None)`: report an auxiliary value (router losses, expert
+  load); the train step adds `loss_weight * value` to the loss and logs the value.
 - `scan_layers(stack, x, fn)`: run a stack of layers (params with a leading `layers` dim) with
   `lax.scan`; the train step hooks in here to gather ZeRO-3 shards per layer, cast to the compute
   dtype and apply the remat policy, so the model itself stays free of parallelism.
@@ -27,6 +31,8 @@ class Context:
     layer_params: Callable[[Any], Any] = lambda state: state  # one layer's nnx.State -> ready params
     remat: str = "none"
     never_save: tuple[str, ...] = ()  # checkpoint names the backward must recompute (ZeRO-3 gathers)
+    # Mixture-of-experts dispatch/combine (jaxpar/parallel/expert.py); None: all experts local.
+    experts: Callable[..., Any] | None = None
 
 
 _CTX: contextvars.ContextVar[Context] = contextvars.ContextVar("jaxpar_nn", default=Context())
@@ -63,6 +69,43 @@ def axes_of(variable: nnx.Variable) -> AxisNames | None:
 
 def constrain(x: jax.Array, axes: AxisNames) -> jax.Array:
     return _CTX.get().constrain(x, axes)
+
+
+def experts(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable, ragged_ffn: Callable,
+            **kw) -> tuple[jax.Array, jax.Array]:
+    """Mixture-of-experts MLP of tokens x [groups, seq, embed] routed to experts `expert_idx`
+    [groups, seq, k] with weights `gates`: returns (y like x, fraction of assignments dropped).
+    `ffn(h [experts, tokens, embed])` and `ragged_ffn(rows [m, embed], group_sizes [experts])` run
+    the experts whose weights this device holds. See jaxpar.parallel.expert.moe_apply for `kw`."""
+    fn = _CTX.get().experts
+    if fn is None:
+        from jaxpar.parallel.expert import moe_apply as fn
+    return fn(x, expert_idx, gates, ffn, ragged_ffn, **kw)
+
+
+_AUX: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxpar_aux", default=None)
+
+
+@contextlib.contextmanager
+def collect_aux():
+    """Collects what `sow` reports while active: {name: (value, loss_weight or None)}."""
+    out: dict = {}
+    token = _AUX.set(out)
+    try:
+        yield out
+    finally:
+        _AUX.reset(token)
+
+
+def sow(name: str, value: jax.Array, loss_weight: float | None = None) -> None:
+    """Report an auxiliary value: a mean over this call's tokens (or sequences), so that the step
+    can average it over devices and microbatches. With `loss_weight`, `loss_weight * value` is
+    added to the training loss. Outside `collect_aux` it is dropped. Call it outside layer scans."""
+    out = _AUX.get()
+    if out is not None:
+        if name in out:
+            raise ValueError(f"sow: {name!r} reported twice")
+        out[name] = (value, loss_weight)
 
 
 REMAT_POLICIES: dict[str, Any] = {

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import nn
 from jaxpar.parallel.data import GATHERED, param_preparer, reduce_data_parallel, scatter_microbatch_grads
+from jaxpar.parallel.expert import expert_hook
 from jaxpar.parallel.tensor import activation_constrainer
 from jaxpar.sharding import Plan
 from jaxpar.train.model import ModelDef
@@ -97,7 +98,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     manual = frozenset(plan.batch_axes)
     cdt = DTYPES[compute_dtype]
     prepare = param_preparer(plan, manual, cdt)
-    ctx = nn.Context(constrain=activation_constrainer(plan, manual),
+    ctx = nn.Context(constrain=activation_constrainer(plan, manual), experts=expert_hook(plan, manual),
                      layer_params=lambda st: prepare(st, stacked=True), remat=remat,
                      never_save=(GATHERED,) if plan.zero_stage >= 3 else ())
     is_spec = lambda x: isinstance(x, P)
@@ -108,41 +109,43 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         state = model.state(params)
         stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
         state = _prepare_top(state, prepare, stacked)
-        with nn.use_context(ctx):
+        with nn.use_context(ctx), nn.collect_aux() as sown:
             logits = model.merge(state)(tokens[:, :-1])
-        return loss_sum_fn(logits, tokens[:, 1:]) / n_tokens
+        loss = loss_sum_fn(logits, tokens[:, 1:]) / n_tokens
+        return add_sown(loss, sown, 1.0 / (plan.batch_size_divisor * grad_accum))
 
     def local_grads(params, tokens, comm):
         n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * plan.batch_size_divisor
         mbs = tokens.reshape(grad_accum, tokens.shape[0] // grad_accum, tokens.shape[1])
 
         def body(acc, mb):
-            loss, g = jax.value_and_grad(local_loss)(params, mb, n_tokens)
+            (_, (loss, aux)), g = jax.value_and_grad(local_loss, has_aux=True)(params, mb, n_tokens)
             g = scatter_microbatch_grads(g, grad_out, plan, manual)
-            return jax.tree.map(jnp.add, acc, g), loss
+            return jax.tree.map(jnp.add, acc, g), (loss, aux)
 
         zeros = jax.eval_shape(lambda: scatter_microbatch_grads(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_out, plan, manual))
         acc0 = jax.tree.map(lambda z, p: jnp.zeros(z.shape, p.dtype), zeros, params)
-        grads, losses = jax.lax.scan(body, acc0, mbs)
+        grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
         grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm)
         busy = tuple(a for a in manual if plan.mesh.shape[a] > 1)
-        return (jax.lax.psum(losses.sum(), busy) if busy else losses.sum()), grads, comm
+        total = lambda x: jax.lax.psum(x, busy) if busy else x
+        return (total(losses.sum()), jax.tree.map(lambda a: total(a.sum(0)), aux)), grads, comm
 
     comm_specs = spec.reducer.state_specs() if "comm" in spec.state_shardings else {}
     sharded_grads = jax.shard_map(
         local_grads, mesh=plan.mesh, in_specs=(param_in, plan.batch_spec(), comm_specs),
-        out_specs=(P(), grad_out, comm_specs), axis_names=set(manual), check_vma=False,
+        out_specs=((P(), P()), grad_out, comm_specs), axis_names=set(manual), check_vma=False,
     )
     grad_shardings = jax.tree.map(plan.sharding, spec.grad_specs, is_leaf=is_spec)
 
     def step(state, tokens):
-        loss, grads, comm = sharded_grads(state["params"], tokens, state.get("comm", {}))
+        (loss, aux), grads, comm = sharded_grads(state["params"], tokens, state.get("comm", {}))
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "grad_norm": grad_norm, **flat_metrics(aux)}
         if skip_nonfinite:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             keep = lambda new, old: jnp.where(ok, new, old)
@@ -161,6 +164,30 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
 
     return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
                    out_shardings=(spec.state_shardings, None), donate_argnums=0)
+
+
+def add_sown(loss: jax.Array, sown: dict, share: float):
+    """(loss + the weighted sown losses, (loss, metrics)) for one microbatch on one device. Sown
+    values are means over the device's slice; times `share` (its fraction of the global batch),
+    summed over microbatches and devices they become global means."""
+    metrics = {name: v * share for name, (v, _) in sown.items()}
+    weighted = [w * v for v, w in sown.values() if w]
+    if not weighted:
+        return loss, (loss, metrics)
+    metrics["aux_loss"] = sum(weighted) * share
+    return loss + metrics["aux_loss"], (loss, metrics)
+
+
+def flat_metrics(metrics: dict) -> dict:
+    """Array-valued metrics as one scalar each: `moe/load` [E] -> `moe/load/0`, ... ."""
+    out = {}
+    for name, v in metrics.items():
+        if v.ndim == 0:
+            out[name] = v
+        else:
+            for i, x in enumerate(v.reshape(-1)):
+                out[f"{name}/{i}"] = x
+    return out
 
 
 def _prepare_top(state, prepare, stacked_paths: set[str]):

@@ -43,6 +43,9 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
                     f"model.{fld}={getattr(m, fld)} is not divisible by mesh.tensor={shape['tensor']}; "
                     f"use a tensor size that divides {getattr(m, fld)}"
                 )
+    if check_model:
+        from jaxpar.parallel.expert import check_layout as check_experts
+        check_experts(m, shape)
     dp = plan.batch_size_divisor
     if t.global_batch % (dp * t.grad_accum):
         axes = "*".join(plan.batch_axes)
@@ -54,6 +57,9 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
 
 def llama_model_factory(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
     from models.llama import Llama
+    if cfg.model.moe.num_experts:
+        from models.moe import MoELlama
+        return lambda rngs: MoELlama(cfg.model, rngs)
     return lambda rngs: Llama(cfg.model, rngs)
 
 
@@ -102,6 +108,9 @@ class Trainer:
 
     def _flops_per_token(self, custom: bool) -> float:
         n = self.model.n_params
+        if not custom and self.cfg.model.moe.num_experts:  # the experts a token does not visit cost nothing
+            from models.moe import active_param_count
+            n = active_param_count(self.cfg.model)
         if custom:
             return generic_flops_per_token(n)
         m = self.cfg.model

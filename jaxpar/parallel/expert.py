@@ -1,0 +1,164 @@
+"""Expert parallelism: route tokens to experts, run them, combine; locally or over `expert`.
+
+A routing group is one sequence: capacity and the dropping order are decided per sequence, so a
+layout that splits the batch over devices drops exactly the tokens a single device drops.
+
+capacity  C = min(seq, ceil(capacity_factor * seq * k / E)) slots per expert per sequence. Each
+          (token, choice) assignment takes the next free slot of its expert in priority order:
+          all first choices in token order, then all second choices, ...; an assignment finding
+          its expert full is dropped (it adds nothing; a token whose choices all drop passes
+          through the residual only). Tokens are scattered into a [groups, E, C, embed] buffer.
+dropless  every assignment is computed: rows sorted by expert, `jax.lax.ragged_dot` per group.
+
+Inside the train step's shard_map, manual over the batch axes (so over `expert`), each device
+holds E/ep experts (the `expert` dim of their weights) and its own slice of the batch:
+  capacity  the dispatch buffer is all_to_all'd over `expert`, split by expert block: each device
+            receives the slots of its own experts from every device of its expert group, runs
+            them, and the results travel back by the same all_to_all.
+  dropless  each device sends every device of its group a fixed buffer of M = groups*seq*k rows
+            (its rows for that device's experts first, zero padding after) with their expert ids;
+            the receiver sorts all it got by expert and runs ragged_dot. The buffer has the worst
+            case size (every row to one device): XLA:CPU has no ragged-all-to-all, so dropless
+            moves ep x the bytes of a balanced exchange (see `jaxpar bench moe`).
+The expert MLP itself is the model's (`ffn`, `ragged_ffn`); the compiler may split it over
+`tensor`, which is left automatic.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config import ConfigError
+
+EXPERT_AXIS = "expert"
+
+
+def capacity(seq_len: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Slots per expert per sequence (at least 1, at most seq_len: an expert sees a token once)."""
+    return max(1, min(seq_len, math.ceil(factor * seq_len * top_k / num_experts)))
+
+
+def capacity_slots(expert_idx: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+    """expert_idx [G, S, k] -> (slot [G, S, k] in [0, E*cap], E*cap meaning dropped; keep [G, S, k])."""
+    G, S, k = expert_idx.shape
+    order = jnp.swapaxes(expert_idx, 1, 2).reshape(G, k * S)          # priority: choice-major
+    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)      # [G, kS, E]
+    pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=1) - 1, order[..., None], axis=2)[..., 0]
+    pos = jnp.swapaxes(pos.reshape(G, k, S), 1, 2)                    # [G, S, k]
+    keep = pos < cap
+    return jnp.where(keep, expert_idx * cap + pos, num_experts * cap), keep
+
+
+def _dispatch(x: jax.Array, slot: jax.Array, n_slots: int) -> jax.Array:
+    """x [G, S, D], slot [G, S, k] -> buffer [G, n_slots, D] (dropped slots fall off the end)."""
+    k = slot.shape[-1]
+
+    def one(xs, sl):
+        rows = jnp.repeat(xs, k, axis=0)
+        return jnp.zeros((n_slots, xs.shape[-1]), xs.dtype).at[sl.reshape(-1)].add(rows, mode="drop")
+
+    return jax.vmap(one)(x, slot)
+
+
+def _combine(buf: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
+    """buffer [G, n_slots, D], slot/gates [G, S, k] -> [G, S, D] (dropped slots read zeros)."""
+    picked = jax.vmap(lambda b, sl: jnp.take(b, sl, axis=0, mode="fill", fill_value=0))(buf, slot)
+    return jnp.einsum("gskd,gsk->gsd", picked, gates.astype(buf.dtype))
+
+
+def _capacity_moe(x, expert_idx, gates, ffn, E, cap, axis, ep):
+    G, S, D = x.shape
+    slot, keep = capacity_slots(expert_idx, E, cap)
+    buf = _dispatch(x, slot, E * cap).reshape(G, E, cap, D)
+    if axis is not None:  # [G, E, C, D] -> [G, ep (source), E/ep, C, D] holding my experts' slots
+        buf = jax.lax.all_to_all(buf, axis, 1, 1, tiled=True)
+    src = ep if axis is not None else 1
+    h = buf.reshape(G, src, E // src, cap, D).transpose(2, 0, 1, 3, 4).reshape(E // src, G * src * cap, D)
+    y = ffn(h).reshape(E // src, G, src, cap, D).transpose(1, 2, 0, 3, 4).reshape(G, E, cap, D)
+    if axis is not None:
+        y = jax.lax.all_to_all(y, axis, 1, 1, tiled=True)
+    out = _combine(y.reshape(G, E * cap, D), slot, gates)
+    return out, 1.0 - keep.mean(dtype=jnp.float32)
+
+
+def _sort_rows(ids: jax.Array, rows: jax.Array, n_groups: int):
+    """Rows sorted by id (ids >= n_groups go last), group sizes, and the inverse permutation."""
+    order = jnp.argsort(ids, stable=True)
+    sizes = jax.nn.one_hot(ids, n_groups, dtype=jnp.int32).sum(0)
+    return rows[order], sizes, jnp.argsort(order)
+
+
+def _dropless_moe(x, expert_idx, gates, ragged_ffn, E, axis, ep):
+    G, S, D = x.shape
+    k = expert_idx.shape[-1]
+    M = G * S * k
+    ids = expert_idx.reshape(M)
+    rows = jnp.repeat(x.reshape(G * S, D), k, axis=0)
+    if axis is None:
+        srt, sizes, inv = _sort_rows(ids, rows, E)
+        y = ragged_ffn(srt, sizes)[inv]
+    else:
+        e_loc = E // ep
+        srt, _, inv = _sort_rows(ids, rows, E)
+        ids_srt = jnp.sort(ids, stable=True)
+        count = jax.nn.one_hot(ids_srt // e_loc, ep, dtype=jnp.int32).sum(0)       # rows per device
+        start = jnp.cumsum(count) - count
+        r = jnp.arange(M)
+        valid = r[None, :] < count[:, None]                                          # [ep, M]
+        src = jnp.clip(start[:, None] + r[None, :], 0, M - 1)
+        send = jnp.where(valid[..., None], srt[src], 0)                              # [ep, M, D]
+        send_ids = jnp.where(valid, ids_srt[src] - jnp.arange(ep)[:, None] * e_loc, e_loc)
+        recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(ep * M, D)
+        recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=True).reshape(ep * M)
+        srt2, sizes2, inv2 = _sort_rows(recv_ids, recv, e_loc)
+        back = ragged_ffn(srt2, sizes2)[inv2].reshape(ep, M, D)
+        back = jax.lax.all_to_all(back, axis, 0, 0, tiled=True)                      # my rows, by device
+        dst = jnp.where(valid, start[:, None] + r[None, :], M)                        # M: padding
+        y = jnp.zeros((M, D), back.dtype).at[dst.reshape(-1)].add(back.reshape(ep * M, D), mode="drop")
+        y = y[inv]
+    y = y.reshape(G, S, k, D)
+    return jnp.einsum("gskd,gsk->gsd", y, gates.astype(y.dtype)), jnp.zeros((), jnp.float32)
+
+
+def moe_apply(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable, ragged_ffn: Callable,
+              *, num_experts: int, dispatch: str = "capacity", capacity_factor: float = 1.25,
+              axis: str | None = None, axis_size: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The MoE MLP of x [G, S, D] (see the module doc): returns (y [G, S, D], dropped fraction).
+
+    With `axis` (a manual mesh axis of `axis_size` devices), this device holds experts
+    [i * E/ep, (i+1) * E/ep) for its index i on `axis`, and tokens travel by all_to_all."""
+    if axis is not None and axis_size == 1:
+        axis = None
+    if num_experts % axis_size:
+        raise ConfigError(f"num_experts={num_experts} is not divisible by the {axis} axis ({axis_size})")
+    if dispatch == "capacity":
+        cap = capacity(x.shape[1], expert_idx.shape[-1], num_experts, capacity_factor)
+        return _capacity_moe(x, expert_idx, gates, ffn, num_experts, cap, axis, axis_size)
+    if dispatch == "dropless":
+        return _dropless_moe(x, expert_idx, gates, ragged_ffn, num_experts, axis, axis_size)
+    raise ValueError(f"unknown dispatch {dispatch!r}; valid: capacity, dropless")
+
+
+def expert_hook(plan, manual: frozenset[str]) -> Callable | None:
+    """The nn.Context `experts` hook for code inside a shard_map manual over `manual`: all_to_all
+    over `expert` when that axis is manual and larger than 1; None (all experts local) otherwise."""
+    n = plan.mesh.shape.get(EXPERT_AXIS, 1)
+    if EXPERT_AXIS not in manual or n == 1:
+        return None
+    return functools.partial(moe_apply, axis=EXPERT_AXIS, axis_size=n)
+
+
+def check_layout(model_cfg, mesh_shape: dict[str, int]) -> None:
+    """A MoE model's experts must split evenly over the `expert` axis."""
+    moe = getattr(model_cfg, "moe", None)
+    n = mesh_shape.get(EXPERT_AXIS, 1)
+    if moe is not None and moe.num_experts and moe.num_experts % n:
+        raise ConfigError(
+            f"model.moe.num_experts={moe.num_experts} is not divisible by mesh.expert={n}; each "
+            f"expert device holds num_experts / mesh.expert experts, so use an expert size that "
+            f"divides {moe.num_experts}"
+        )
