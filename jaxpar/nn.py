@@ -31,6 +31,9 @@ class Context:
     layer_params: Callable[[Any], Any] = lambda state: state  # one layer's nnx.State -> ready params
     remat: str = "none"
     never_save: tuple[str, ...] = ()  # checkpoint names the backward must recompute (ZeRO-3 gathers)
+    # When set, scan_layers(stack, carry, fn) returns layers_hook(stack, carry, fn): the pipeline
+    # uses it to cut a model into embedding / layer stages / head (see jaxpar/parallel/pipeline).
+    layers_hook: Callable[[nnx.Module, Any, Callable], Any] | None = None
     # Mixture-of-experts dispatch/combine (jaxpar/parallel/expert.py); None: all experts local.
     experts: Callable[..., Any] | None = None
 
@@ -117,7 +120,16 @@ REMAT_POLICIES: dict[str, Any] = {
 
 
 def scan_layers(stack: nnx.Module, carry: Any, fn: Callable[[nnx.Module, Any], Any]) -> Any:
-    """carry = fn(layer, carry) for each layer of `stack` (params stacked on a leading dim)."""
+    """carry = fn(layer, carry) for each layer of `stack` (params stacked on a leading dim).
+    A model calls it once, for its stack of layers; a pipeline runs the layers in stages."""
+    ctx = _CTX.get()
+    if ctx.layers_hook is not None:
+        return ctx.layers_hook(stack, carry, fn)
+    return scan_stack(stack, carry, fn)
+
+
+def scan_stack(stack: nnx.Module, carry: Any, fn: Callable[[nnx.Module, Any], Any]) -> Any:
+    """scan_layers without the hook: the layer scan itself (per-layer params hook and remat)."""
     ctx = _CTX.get()
     graphdef, state = nnx.split(stack)
 

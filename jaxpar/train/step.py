@@ -89,13 +89,15 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
 
 
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int,
+                    pipeline: Any = None,
                     compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
                     loss_sum_fn: Callable = cross_entropy_sum, skip_nonfinite: bool = False):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
     [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
     or gradient norm is not finite leaves params and optimizer state unchanged (the step counter
     still advances) and reports metrics["nonfinite"] = 1."""
-    manual = frozenset(plan.batch_axes)
+    pipelined = plan.mesh.shape.get("pipeline", 1) > 1  # `pipeline`: a config.PipelineConfig
+    manual = frozenset(plan.batch_axes) | ({"pipeline"} if pipelined else set())
     cdt = DTYPES[compute_dtype]
     prepare = param_preparer(plan, manual, cdt)
     ctx = nn.Context(constrain=activation_constrainer(plan, manual), experts=expert_hook(plan, manual),
@@ -104,6 +106,13 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     is_spec = lambda x: isinstance(x, P)
     param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.param_specs, is_leaf=is_spec)
     grad_out = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.grad_specs, is_leaf=is_spec)
+    run_pipeline = None
+    if pipelined:  # stages over `pipeline`, microbatches run by a timetable (jaxpar/parallel/pipeline)
+        from jaxpar.parallel.pipeline import make_step_pipeline, stacked_paths
+        stacked_str = {"/".join(map(str, k)) for k in stacked_paths(model)}
+        run_pipeline, grad_accum = make_step_pipeline(
+            model, plan, pipeline, grad_accum, ctx, lambda st: _prepare_top(st, prepare, stacked_str),
+            loss_sum_fn, lambda g, s: scatter_microbatch_grads(g, s, plan, manual), grad_out)
 
     def local_loss(params, tokens, n_tokens):
         state = model.state(params)
@@ -126,7 +135,11 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         zeros = jax.eval_shape(lambda: scatter_microbatch_grads(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_out, plan, manual))
         acc0 = jax.tree.map(lambda z, p: jnp.zeros(z.shape, p.dtype), zeros, params)
-        grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
+        if run_pipeline is None:
+            grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
+        else:
+            losses, grads = run_pipeline(params, mbs, n_tokens)
+            aux = {}  # sown values (MoE router losses) are not collected in a pipeline yet
         grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm)
         busy = tuple(a for a in manual if plan.mesh.shape[a] > 1)
         total = lambda x: jax.lax.psum(x, busy) if busy else x

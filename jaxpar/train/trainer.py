@@ -46,6 +46,9 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
     if check_model:
         from jaxpar.parallel.expert import check_layout as check_experts
         check_experts(m, shape)
+    if shape.get("pipeline", 1) > 1:
+        from jaxpar.parallel.pipeline import check_pipeline_layout
+        check_pipeline_layout(cfg, plan, check_model)
     dp = plan.batch_size_divisor
     if t.global_batch % (dp * t.grad_accum):
         axes = "*".join(plan.batch_axes)
@@ -91,6 +94,7 @@ class Trainer:
         self.replication = check_replication(self.plan, named)
         self.step_fn = make_train_step(
             self.model, self.plan, self.tx, self.spec, grad_accum=cfg.train.grad_accum,
+            pipeline=cfg.pipeline,
             compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat, lr_schedule=self.lr_schedule,
             skip_nonfinite=cfg.train.skip_nonfinite)
         self.init_fn = make_init(self.model, self.tx, self.spec, DTYPES[cfg.train.param_dtype])

@@ -1,8 +1,95 @@
 """Pipeline parallelism over the `pipeline` mesh axis.
 
-schedule.py: timetables (gpipe, 1f1b, interleaved_1f1b) the runner executes and the bench prints.
+schedule.py  timetables (gpipe, 1f1b, interleaved_1f1b): what each device does at each tick;
+             the runner executes them, `jaxpar bench pipeline` prints and draws them.
+runner.py    the pipelined forward + backward inside the train step's shard_map.
+
+Config: `pipeline.schedule`, `pipeline.virtual_stages`, `pipeline.microbatches` (null: the
+microbatch count is train.grad_accum); `mesh.pipeline` is the number of devices (stages).
 """
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
 from jaxpar.parallel.pipeline.schedule import (SCHEDULES, Timetable, build_timetable, check_schedule,
                                                idle_formula, plot_timetable)
 
-__all__ = ["SCHEDULES", "Timetable", "build_timetable", "check_schedule", "idle_formula", "plot_timetable"]
+
+def stacked_paths(model) -> set[tuple]:
+    """Param paths whose leading dim is `layers` (what the pipeline splits into stages)."""
+    from jaxpar.parallel.pipeline.runner import flatten
+    return {k for k, ax in flatten(model.axes).items() if ax[:1] == ("layers",)}
+
+
+def context_mesh_constrainer(plan, manual: frozenset[str]) -> Callable:
+    """Activation constraints as bare PartitionSpecs, resolved against the context (partly
+    manual) mesh. The step's constrainer names the concrete all-Auto mesh; under lax.switch +
+    jax.vjp its transpose then leaks that mesh into cotangent avals and jax 0.12 fails
+    ("Context mesh ... should match the mesh of sharding ...") once `tensor` > 1."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    from jaxpar.parallel.tensor import drop_axes
+    auto = [a for a, n in plan.mesh.shape.items() if a not in manual and n > 1]
+    if not auto:
+        return lambda x, axes: x
+
+    def constrain(x, axes):
+        if len(axes) != x.ndim:
+            raise ValueError(f"constrain: axes {axes} do not match an array of rank {x.ndim}")
+        return jax.lax.with_sharding_constraint(x, P(*drop_axes(plan.spec(tuple(axes), None, use="act"), manual)))
+
+    return constrain
+
+
+def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
+    """Config mistakes of a pipelined run, as one clear ConfigError each (Trainer.check_layout)."""
+    from jaxpar.config import ConfigError
+    p = plan.mesh.shape["pipeline"]
+    pc, t = cfg.pipeline, cfg.train
+    m = pc.resolved_microbatches(t.grad_accum)
+    check_schedule(pc.schedule, p, m, pc.virtual_stages, cfg.model.n_layers if check_model else None)
+    if cfg.sharding.sequence_parallel:
+        raise ConfigError(
+            "sharding.sequence_parallel does not compose with mesh.pipeline > 1 yet (the compiler's "
+            "collective-permutes inside a stage's branch would wait on the other stages); set "
+            "sharding.sequence_parallel=false")
+    moe = getattr(cfg.model, "moe", None)
+    if check_model and getattr(moe, "num_experts", 0):
+        raise ConfigError(
+            "model.moe (mixture of experts) does not compose with mesh.pipeline > 1 yet (router "
+            "losses are not collected across stages); set mesh.pipeline=1")
+    dp = plan.batch_size_divisor
+    if t.global_batch % (dp * m):
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} must be divisible by the batch-parallel size ({dp}) "
+            f"times the pipeline microbatches ({m}) = {dp * m}")
+
+
+def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_top: Callable,
+                       loss_sum_fn: Callable, scatter: Callable, grad_specs: Any):
+    """What the train step calls when mesh.pipeline > 1: (run, microbatches), where
+    run(params, mbs, n_tokens) -> (losses, local grads) replaces the microbatch loop."""
+    from jaxpar.config import PipelineConfig
+    from jaxpar.parallel.pipeline.runner import flatten, make_pipeline_grads
+    cfg = pipeline_cfg or PipelineConfig()
+    p = plan.mesh.shape["pipeline"]
+    m = cfg.resolved_microbatches(grad_accum)
+    stacked = stacked_paths(model)
+    if not stacked:
+        raise ValueError("mesh.pipeline > 1 needs a model whose layers are stacked on a `layers` dim "
+                         "and run with jaxpar.nn.scan_layers")
+    n_layers = {flatten(model.shapes)[k].shape[0] for k in stacked}
+    if len(n_layers) != 1:
+        raise ValueError(f"stacked params disagree on the layer count: {sorted(n_layers)}")
+    check_schedule(cfg.schedule, p, m, cfg.virtual_stages, n_layers.pop())
+    tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages)
+    manual = frozenset(plan.batch_axes) | {"pipeline"}
+    ctx = dataclasses.replace(ctx, constrain=context_mesh_constrainer(plan, manual))
+    run = make_pipeline_grads(model, tt, ctx, prepare_top, loss_sum_fn, scatter, grad_specs, stacked)
+    return run, m
+
+
+__all__ = ["SCHEDULES", "Timetable", "build_timetable", "check_pipeline_layout", "check_schedule",
+           "idle_formula",
+           "make_step_pipeline", "plot_timetable", "stacked_paths"]

@@ -1,0 +1,91 @@
+"""The pipelined step computes the same loss and gradients as the plain one (float32), alone and
+composed with data, ZeRO and tensor parallelism; 1f1b's memory stays flat in the microbatches."""
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import ConfigError, load_config
+from tests.pipeline_util import loss_and_grads, temp_bytes
+
+BASE = ["model.n_layers=4"]
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    return loss_and_grads(BASE + ["mesh.data=1"], devices[:1])
+
+
+def assert_matches(got, ref, rtol=1e-5):
+    (loss, grads), (ref_loss, ref_grads) = got, ref
+    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+    flat, ref_flat = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)
+    assert len(flat) == len(ref_flat)
+    for (path, g), r in zip(flat, ref_flat):
+        # relative to the gradient's scale (elementwise rtol is meaningless near zero)
+        err = np.max(np.abs(g - r)) / np.max(np.abs(r))
+        assert err < rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+CASES = {
+    "gpipe-p2-m2": (["mesh.pipeline=2", "pipeline.schedule=gpipe", "train.grad_accum=2"], 2),
+    "1f1b-p2-m4": (["mesh.pipeline=2", "pipeline.schedule=1f1b", "train.grad_accum=4"], 2),
+    "gpipe-p4-m8": (["mesh.pipeline=4", "pipeline.schedule=gpipe", "pipeline.microbatches=8"], 4),
+    "1f1b-p4-m16": (["mesh.pipeline=4", "pipeline.schedule=1f1b", "train.grad_accum=16"], 4),
+    "interleaved-p2-v2-m4": (["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b",
+                              "pipeline.virtual_stages=2", "train.grad_accum=4"], 2),
+    "dp2-pp2-tp2": (["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=2"], 8),
+    "fsdp2-pp4-zero3": (["mesh.fsdp=2", "mesh.pipeline=4", "sharding.zero_stage=3",
+                         "train.grad_accum=4"], 8),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_matches_plain_step(name, reference, devices):
+    overrides, n = CASES[name]
+    layout = ["mesh.data=1"] if not any(o.startswith("mesh.data=") for o in overrides) else []
+    assert_matches(loss_and_grads(BASE + layout + overrides, devices[:n]), reference)
+
+
+def test_1f1b_memory_flat_gpipe_grows(devices):
+    """Microbatch size fixed (2 sequences of 64 tokens), microbatches 4 -> 16."""
+    def temp(schedule, m):
+        return temp_bytes(["model.n_layers=4", "mesh.data=1", "mesh.pipeline=4", "train.seq_len=64",
+                           f"train.global_batch={2 * m}", f"train.grad_accum={m}",
+                           f"pipeline.schedule={schedule}"], devices[:4])
+    one = [temp("1f1b", m) for m in (4, 16)]
+    gp = [temp("gpipe", m) for m in (4, 16)]
+    assert one[1] <= 1.15 * one[0], one
+    # gpipe stashes every microbatch's stage input: 12 more of [2, 64, 128] float32
+    stage_input = 2 * 64 * 128 * 4
+    assert gp[1] - gp[0] >= 0.9 * 12 * stage_input, gp
+
+
+def test_trainer_loss_curve_matches(devices):
+    """The quickstart model trains to the same losses with a pipeline as in its own layout."""
+    common = ["train.steps=3", "train.progress=false", "train.seq_len=32", "data.source=synthetic"]
+
+    def losses(overrides):
+        from jaxpar.train.trainer import Trainer
+        trainer = Trainer(load_config("configs/quickstart.yaml", common + overrides), devices=devices)
+        return [h["loss"] for h in trainer.fit(progress=False)[1]]
+
+    ref = losses([])
+    got = losses(["mesh.fsdp=1", "mesh.pipeline=2", "train.grad_accum=2"])
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.n_layers=6", "mesh.pipeline=4", "train.grad_accum=4"],
+     "model.n_layers=6 does not split evenly into mesh.pipeline=4"),
+    (["model.n_layers=4", "mesh.pipeline=4", "train.grad_accum=2"],
+     "at least as many microbatches as stages"),
+    (["model.n_layers=4", "mesh.pipeline=2", "train.grad_accum=2", "sharding.sequence_parallel=true",
+      "mesh.tensor=2"], "sequence_parallel does not compose"),
+    (["model.n_layers=4", "mesh.pipeline=2", "pipeline.microbatches=32"],
+     "divisible by the batch-parallel size"),
+])
+def test_config_errors(overrides, match, devices):
+    from jaxpar.train.trainer import Trainer
+    from tests.conftest import tiny_config
+    with pytest.raises(ConfigError, match=match):
+        Trainer(tiny_config("mesh.data=-1", *overrides), devices=devices)
