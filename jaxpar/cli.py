@@ -22,7 +22,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from jaxpar.bench import run_bench
-    return run_bench(args.name, args.config, args.overrides, as_json=args.json)
+    return run_bench(args.name, args.config, args.overrides, as_json=args.json, plot=args.plot)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("config", nargs="?", default=None)
     b.add_argument("overrides", nargs="*")
     b.add_argument("--json", action="store_true", help="machine-readable output")
+    b.add_argument("--plot", default=None, metavar="FILE.png", help="pipeline: draw the timetable")
     b.set_defaults(fn=_bench)
     pl = sub.add_parser("plot", help="PNGs of loss, throughput and MFU vs step (several runs overlaid)")
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

@@ -37,10 +37,10 @@ def test_1f1b_stash_bounded_by_stages_gpipe_by_microbatches(m):
     assert max(gp.in_flight()) == m and gp.n_x_slots == m
 
 
-def test_codes_and_slots_consistent():
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_codes_and_slots_consistent(schedule, p, m, v):
     """Replay the table like the runner does: each read finds the value written for it."""
-    for schedule, p, m, v in [("1f1b", 4, 8, 1), ("gpipe", 2, 4, 1), ("interleaved_1f1b", 2, 4, 2),
-                              ("interleaved_1f1b", 4, 8, 2)]:
+    if True:
         tt = build_timetable(schedule, p, m, v)
         G = p * v
         xbuf = [dict() for _ in range(p)]
@@ -110,3 +110,18 @@ def test_config_section():
         cfg.pipeline.resolved_microbatches(2)
     with pytest.raises(ConfigError, match="schedule"):
         make_config({}, ["pipeline.schedule=zb"])
+
+
+def test_bench_pipeline_timetable_columns(tmp_path):
+    from jaxpar.bench import BENCHMARKS, load
+    from jaxpar.bench.pipeline import format_result, run
+    assert "pipeline" in BENCHMARKS
+    _, cfg = load("pipeline", None, [])
+    res = run(cfg, memory=False, plot=str(tmp_path / "tt.png"))
+    for r in res["rows"]:
+        assert r["idle"] == pytest.approx(r["formula"])
+        if r["schedule"] == "1f1b":
+            assert r["stash"] == r["p"]
+    assert (tmp_path / "tt.png").exists()
+    text = format_result({"benchmark": "pipeline", **res})
+    assert "interleaved_1f1b" in text and "formula" in text

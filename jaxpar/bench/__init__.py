@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "memory": "jaxpar.bench.memory",
     "comm": "jaxpar.bench.comm",
     "checkpoint": "jaxpar.bench.checkpoint",
+    "pipeline": "jaxpar.bench.pipeline",
 }
 
 
@@ -41,7 +42,7 @@ def load(name: str, config_path: str | Path | None = None, overrides: Sequence[s
 
 
 def run_bench(name: str, config_path: str | None, overrides: Sequence[str], as_json: bool = False,
-              out: Callable[[str], None] | None = None) -> int:
+              out: Callable[[str], None] | None = None, plot: str | None = None) -> int:
     """What the CLI runs. Prints the table, or with `as_json` one JSON document, on stdout."""
     overrides = list(overrides)
     # `jaxpar bench comm model.n_layers=2`: argparse takes the first override for CONFIG.
@@ -52,7 +53,7 @@ def run_bench(name: str, config_path: str | None, overrides: Sequence[str], as_j
     from jaxpar.xla import apply_xla_flags
     apply_xla_flags(cfg.xla)
     log = (lambda s: print(s, file=sys.stderr)) if as_json else (lambda s: None)
-    result = mod.run(cfg, log=log)
+    result = mod.run(cfg, log=log, **({"plot": plot} if plot else {}))  # --plot: pipeline
     result = {"benchmark": name, **result}
     out = out or print
     if as_json:

@@ -1,0 +1,93 @@
+"""`jaxpar bench pipeline [--plot FILE.png]`: pipeline schedules read off their timetables, and
+the per-device temporary memory of the compiled step.
+
+For each schedule (gpipe, 1f1b, interleaved_1f1b with v = 2) and each (p, m, v):
+  - idle: the idle fraction of the timetable the runner executes (idle slots / ticks x devices),
+    beside the formula (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) interleaved (its
+    bubble/compute ratio (p-1)/(v*m) is 1f1b's divided by v);
+  - stash: the peak number of microbatch(-chunk)s a device holds between a forward and its
+    backward (device 0, the most), and the stage-input buffer slots the runner allocates;
+  - temp: `compiled.memory_analysis().temp_size_in_bytes` of the whole train step, for
+    p = mesh.pipeline only (one compile each), with the microbatch size held fixed
+    (global_batch = data-parallel size x m x microbatch) so that only m changes.
+p runs over 2, 4, 8 up to the device count for the timetable columns. --plot draws the
+timetable of the configured schedule at (mesh.pipeline, m = 2p, pipeline.virtual_stages).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
+from jaxpar.config import Config
+from jaxpar.parallel.pipeline.schedule import SCHEDULES, build_timetable, plot_timetable
+
+# 4 pipeline stages x 2-way data on 8 devices; 8 layers so that interleaving (v = 2) divides.
+LAYOUT: list[str] = [*mesh_overrides(data=-1, pipeline=4), "model.n_layers=8", "train.seq_len=64",
+                     "data.source=synthetic"]
+MICROBATCH = 2  # sequences per microbatch per data-parallel slice, for the memory column
+
+
+def _variants(n_layers: int, p: int):
+    for s in SCHEDULES:
+        for v in ((2,) if s == "interleaved_1f1b" else (1,)):
+            if n_layers % (p * v) == 0:
+                yield s, v
+
+
+def timetable_row(schedule: str, p: int, m: int, v: int) -> dict:
+    tt = build_timetable(schedule, p, m, v)
+    return {"schedule": schedule, "p": p, "m": m, "v": v, "ticks": tt.ticks,
+            "idle": tt.idle_fraction(), "formula": tt.formula(), "stash": max(tt.in_flight()),
+            "stash_per_device": tt.in_flight(), "buffer_slots": tt.n_x_slots}
+
+
+def temp_memory(cfg: Config, schedule: str, m: int, v: int) -> dict:
+    import jax
+    import math
+    from jaxpar.mesh import resolve_sizes
+    from jaxpar.train.trainer import Trainer
+    sizes = resolve_sizes(cfg.mesh, len(jax.devices()))
+    dp = math.prod(sizes[a] for a in cfg.sharding.resolved_rules()["batch"] if a in sizes)
+    trial = with_overrides(cfg, [f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}",
+                                 "train.grad_accum=1", f"pipeline.microbatches={m}",
+                                 f"train.global_batch={dp * m * MICROBATCH}"])
+    trainer = Trainer(trial, log=lambda s: None)
+    t0 = time.perf_counter()
+    mem = trainer.compile().memory_analysis()
+    return {"temp_bytes": int(mem.temp_size_in_bytes), "global_batch": dp * m * MICROBATCH,
+            "compile_s": time.perf_counter() - t0}
+
+
+def run(cfg: Config, log: Callable[[str], None] = lambda s: None, plot: str | None = None,
+        memory: bool = True) -> dict:
+    import jax
+    n_dev = len(jax.devices())
+    p_cfg = cfg.mesh.pipeline
+    rows = []
+    for p in sorted({q for q in (2, 4, 8) if q <= n_dev} | {p_cfg}):
+        for s, v in _variants(cfg.model.n_layers, p):
+            for m in (p, 2 * p, 4 * p):
+                row = timetable_row(s, p, m, v)
+                if memory and p == p_cfg:
+                    log(f"compiling {s} p={p} m={m} v={v} ...")
+                    row.update(temp_memory(cfg, s, m, v))
+                rows.append(row)
+    out = {"config": describe_config(cfg), "mesh_pipeline": p_cfg, "microbatch": MICROBATCH, "rows": rows}
+    if plot:
+        pc = cfg.pipeline
+        v = pc.virtual_stages if pc.schedule == "interleaved_1f1b" else 1
+        out["plot"] = plot_timetable(build_timetable(pc.schedule, p_cfg, 2 * p_cfg, v), plot)
+        log(f"timetable drawn in {plot}")
+    return out
+
+
+def format_result(res: dict) -> str:
+    headers = ["schedule", "p", "m", "v", "ticks", "idle", "formula", "stash/dev", "slots", "temp/device"]
+    rows = [[r["schedule"], r["p"], r["m"], r["v"], r["ticks"], f"{r['idle']:.3f}", f"{r['formula']:.3f}",
+             r["stash"], r["buffer_slots"], fmt_bytes(r.get("temp_bytes"))] for r in res["rows"]]
+    lines = [f"pipeline schedules (temp/device: compiled step at mesh.pipeline={res['mesh_pipeline']}, "
+             f"microbatch of {res['microbatch']} sequences per data-parallel slice)", table(headers, rows)]
+    if res.get("plot"):
+        lines.append(f"timetable drawn in {res['plot']}")
+    return "\n".join(lines)
