@@ -236,7 +236,7 @@ class Checkpointer:
         meta = {"format": FORMAT, "step": int(step), **meta, "arrays": arrays, "checksums": fingerprint(state),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.mngr.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+            state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta),
             config=ocp.args.JsonSave(config)), force=True)
         self.last_saved = int(step)
         dt = time.perf_counter() - t0
@@ -268,9 +268,14 @@ class Checkpointer:
         for s in steps:
             where = self.root / str(s)
             try:
-                out = self.mngr.restore(s, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-                state, meta = out["state"], out["meta"]
+                # parts of the state that cannot carry over are left out (partial restore)
+                target, dropped = _restorable(abstract_state, read_meta(where))
+                item = ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=bool(dropped))
+                out = self.mngr.restore(s, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
+                state, meta = out["state"], dict(out["meta"])
+                meta["reset"] = dropped
                 bad = verify(state, meta)
                 if bad:
                     raise CheckpointError(f"checksum mismatch in {', '.join(bad[:3])}"
@@ -286,6 +291,31 @@ class Checkpointer:
         raise CheckpointError(f"no good checkpoint in {self.root}:\n  " + "\n  ".join(failures))
 
 
+CORE_KEYS = ("step", "params", "opt_state")
+
+
+def _restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
+    """The part of the target state a checkpoint can fill, and the top-level keys it cannot:
+    state beside step/params/opt_state (e.g. gradient-compression residuals, one row per batch
+    device) whose saved shapes differ from the current ones, or that is new or gone."""
+    saved = meta.get("arrays")
+    if not saved or not isinstance(abstract_state, dict):
+        return abstract_state, []
+    saved_tops = {p.split("/")[0] for p in saved}
+    dropped = []
+    for key, sub in abstract_state.items():
+        if key in CORE_KEYS:
+            continue
+        now = {f"{key}/{p}" if p else key: list(x.shape) for p, x in zip(_paths(sub), jax.tree.leaves(sub))}
+        then = {p: a["shape"] for p, a in saved.items() if p == key or p.startswith(key + "/")}
+        if now != then:
+            dropped.append(key)
+    extra = sorted(saved_tops - set(abstract_state))
+    if not dropped and not extra:
+        return abstract_state, []
+    return {k: v for k, v in abstract_state.items() if k not in dropped}, dropped + extra
+
+
 def _short(e: BaseException, n: int = 300) -> str:
     msg = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
     msg = " ".join(msg.split())
@@ -298,8 +328,9 @@ def verify(state: Any, meta: dict) -> list[str]:
     if not saved:
         return []
     now = fingerprint(state)
+    skipped = tuple(meta.get("reset", ()))  # parts not restored on purpose
     bad = [p for p, v in now.items() if saved.get(p) != v]
-    bad += [p for p in saved if p not in now]
+    bad += [p for p in saved if p not in now and p.split("/")[0] not in skipped]
     return bad
 
 

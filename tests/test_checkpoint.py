@@ -17,6 +17,8 @@ from jaxpar.cli import main as cli_main
 from jaxpar.config import make_config
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.xdist_group("checkpoint")  # the poisoned trainer is built once
+
 
 def _state(devices, n=8, seed=0):
     mesh = Mesh(np.array(devices[:n]).reshape(n), ("x",))
@@ -252,3 +254,66 @@ def test_bench_checkpoint_small():
     assert r["save"]["mb_per_s"] > 0 and r["restore"]["mb_per_s"] > 0
     assert 0 < r["async_save"]["blocking_s"] <= r["async_save"]["total_s"]
     assert r["overlap"]["step_s_no_save"] > 0
+
+
+def test_nonfinite_streak_rolls_back_and_skips_the_batch(poisoned_trainer, tmp_path):
+    tr = poisoned_trainer
+    tr.poison({2, 3})  # steps 3 and 4 (data steps 2, 3) are bad: 2 in a row = max_nonfinite
+    logs = []
+    old_log, tr.log = tr.log, logs.append
+    tr.cfg.train.nonfinite_rollback, tr.cfg.checkpoint.every = True, 2
+    try:
+        _, hist = tr.fit(out_dir=tmp_path, progress=False)
+    finally:
+        tr.cfg.train.nonfinite_rollback, tr.cfg.checkpoint.every, tr.log = False, 100, old_log
+    assert any("rolled back to step 2 and skipping data step 2" in m for m in logs), logs
+    # after the roll back, step 3 trains on data step 3 (bad: skipped once more), then 4, 5
+    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5]
+    assert [h["skipped_steps"] for h in hist] == [0, 0, 3, 3, 3]
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    meta = ck.read_meta(tmp_path / "checkpoints" / "5")
+    assert meta["data"]["skipped_batches"] == [2] and meta["data"]["position"] == 6
+    assert meta["nonfinite"]["skipped"] == 3
+
+
+def test_sigint_is_caught_then_handlers_restored():
+    import signal
+    import time
+    before = signal.getsignal(signal.SIGINT)
+    with ck.Preemption(grace_s=30) as p:
+        assert not p.should_stop(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert p.should_stop(2) and p.requested == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_preemption_grace_period_ends_the_process():
+    import subprocess
+    import sys
+    code = ("import os, signal, time\nfrom jaxpar.checkpoint import Preemption\n"
+            "Preemption(0.5).__enter__()\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(60)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 1 and "grace period (0.5s) ran out" in r.stderr, r.stderr
+
+
+def test_resume_on_fewer_devices_restarts_compression_residuals(tmp_path, devices):
+    """Error-feedback residuals have one row per batch device: they cannot carry over to another
+    device count, so they start afresh (and are named); everything else is restored."""
+    from jaxpar.train.trainer import Trainer
+    comp = ["gradient_compression.method=int8", "checkpoint.every=1"]
+    tr8 = Trainer(tiny_config("mesh.data=8", "train.steps=2", *comp), devices=devices)
+    if "comm" not in tr8.spec.state_shardings:
+        pytest.skip("int8 compression keeps no residual state here")
+    s8, _ = tr8.fit(out_dir=tmp_path, progress=False)
+    tr4 = Trainer(tiny_config("mesh.data=4", "train.steps=3", *comp), devices=devices[:4])
+    state, start, msg = tr4.restore(out_dir=tmp_path)
+    assert start == 2 and "started afresh: comm" in msg, msg
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(s8["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert jax.tree.map(lambda x: x.shape, state["comm"]) == \
+        jax.tree.map(lambda x: x.shape, tr4.abstract_state()["comm"])
+    _, hist = tr4.fit(state, start, out_dir=tmp_path, progress=False)
+    assert [h["step"] for h in hist] == [3] and np.isfinite(hist[0]["loss"])

@@ -2,7 +2,13 @@
 on another device count continue the loss curve: bit for bit on the same mesh, within 1e-5
 across meshes. Each run is a subprocess (`python tests/test_checkpoint_resume.py ...` drives
 `jaxpar.train.trainer.run`, with a hook that kills it at a given step; the elastic runs use the
-`jaxpar train` CLI). The subprocesses share a persistent compilation cache."""
+`jaxpar train` CLI). The subprocesses share a persistent compilation cache.
+
+"Bit for bit": the resumed run's final train state has exactly the checksums of the uninterrupted
+run's, and so do the gradient norms of every step. The logged loss of a step is allowed 4 ulps:
+XLA:CPU's reduction of the token losses can round the last bit differently from one process to
+the next even for two uninterrupted runs (seen here at step 3 of fresh runs, with identical
+parameters before and after), so the loss is not what tells whether resuming was exact."""
 import json
 import os
 import shutil
@@ -12,8 +18,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+# one worker runs them all (with `-n 2 --dist loadgroup`): they share the reference run
+pytestmark = pytest.mark.xdist_group("checkpoint_resume")
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
 CONFIG = f"""\
@@ -63,11 +72,29 @@ def cli(tmp: Path, run_dir: Path, *overrides: str, n_devices: int = 8):
     return r.returncode, r.stdout + r.stderr
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def records(run_dir: Path) -> dict[int, dict]:
     recs = [json.loads(x) for x in (run_dir / "ck" / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in recs]
     assert steps == sorted(set(steps)), f"metrics.jsonl steps not one clean sequence: {steps}"
-    return {r["step"]: r["loss"] for r in recs}
+    return {r["step"]: r for r in recs}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in records(run_dir).items()}
+
+
+def assert_same_run(run_dir: Path, ref_dir: Path) -> None:
+    """The resumed run is the uninterrupted one: same final state bit for bit, same gradient
+    norms bit for bit, same losses (to the last few ulps, see the module docstring)."""
+    got, ref = records(run_dir), records(ref_dir)
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    assert {s: r["grad_norm"] for s, r in got.items()} == {s: r["grad_norm"] for s, r in ref.items()}
+    for s in ref:
+        a, b = np.float32(got[s]["loss"]), np.float32(ref[s]["loss"])
+        assert abs(a - b) <= 4 * np.spacing(b), (s, got[s]["loss"], ref[s]["loss"])
+    from jaxpar.checkpoint import read_meta
+    final = lambda d: read_meta(d / "ck" / "checkpoints" / str(STEPS))["checksums"]
+    assert final(run_dir) == final(ref_dir)
 
 
 def finalized(run_dir: Path) -> list[int]:
@@ -115,7 +142,7 @@ def test_sigkill_anywhere_resumes_bit_for_bit(work, reference):
     rc, out = drive(work, run)
     assert rc == 0, out
     assert f"checkpoints/{latest} (step {latest}" in out
-    assert losses(run) == reference  # bit for bit, every step 1..10
+    assert_same_run(run, work / "ref")
 
 
 @pytest.mark.slow
@@ -139,7 +166,7 @@ def test_sigterm_saves_at_current_step_and_exits_0(work, reference):
     rc, out = drive(work, run)
     assert rc == 0, out
     assert f"checkpoints/{stop} (step {stop}" in out
-    assert losses(run) == reference
+    assert_same_run(run, work / "ref")
 
 
 @pytest.mark.slow

@@ -188,8 +188,9 @@ class Trainer:
             return None, 0, "checkpoints off"
         own = (Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else
                Path(out_dir) / "checkpoints" if out_dir is not None else checkpoint_dir(self.cfg))
-        if plan is None:
+        if plan is None:  # the trainer is built: its layout stays as it is
             plan = plan_resume(self.cfg, self.mesh.devices.size, own_root=own)
+            plan.changes = []
         if not plan.resuming:
             why = "train.resume=never" if self.cfg.train.resume == "never" else f"no checkpoint in {own}"
             return None, 0, f"fresh start ({why})"
@@ -201,6 +202,9 @@ class Trainer:
         state, meta, step = src.restore(self.abstract_state_sharded(), plan.step)
         if src is not self.checkpointer:
             src.close()
+        reset = [k for k in meta.get("reset", []) if k in self.spec.state_shardings]
+        if reset:  # e.g. error-feedback residuals of another device count: start them afresh
+            state = {**state, **self._fresh(reset)}
         self.skipped_steps = int(meta.get("nonfinite", {}).get("skipped", 0))
         self.skipped_batches = [int(b) for b in meta.get("data", {}).get("skipped_batches", [])]
         self.loader.load_state_dict({"step": step})
@@ -208,7 +212,17 @@ class Trainer:
         msg = f"{plan.root / str(step)} (step {step}; saved on {saved}, {meta.get('devices')} devices)"
         if plan.changes:
             msg += "; changed " + "; ".join(plan.changes)
+        if meta.get("reset"):
+            msg += f"; state not carried over (layout changed), started afresh: {', '.join(meta['reset'])}"
         return state, int(step), msg
+
+    def _fresh(self, keys: list[str]) -> dict:
+        """Freshly initialised top-level state entries (placed by the plan)."""
+        if keys == ["comm"] and getattr(self.spec, "reducer", None) is not None:
+            return {"comm": jax.jit(self.spec.reducer.init_state,
+                                    out_shardings=self.spec.state_shardings["comm"])()}
+        state = self.init_state()
+        return {k: state[k] for k in keys}
 
     def _own_ckpt(self, root: Path):
         if self.checkpointer is None or self.checkpointer.root != root.absolute():
@@ -403,6 +417,8 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     compiled = trainer.compile()
     state, start, where = trainer.restore(plan, out_dir=out)
     log(trainer.banner(compiled, extra={"resumed from" if state is not None else "start": where}))
+    if start >= cfg.train.steps:
+        log(f"nothing to train: the checkpoint is at step {start} and train.steps={cfg.train.steps}")
     _, history = trainer.fit(state, start, out_dir=out)
     if history:
         first, last = history[0], history[-1]
