@@ -3,6 +3,7 @@
   overhead  jaxpar's compiled step vs a minimal hand-written `jax.jit` step of the same model
   memory    per-device params / grads / optimizer state / temp bytes per ZeRO stage vs the paper
   comm      bytes per collective kind per step (from the compiled HLO) vs the analytic minimum
+  moe       expert all-to-all bytes (compiled HLO vs analytic) and step time, capacity vs dropless
   checkpoint  save / restore MB/s of a ~300 MB state; slowdown of steps overlapping an async save
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
@@ -24,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "overhead": "jaxpar.bench.overhead",
     "memory": "jaxpar.bench.memory",
     "comm": "jaxpar.bench.comm",
+    "moe": "jaxpar.bench.moe",
     "checkpoint": "jaxpar.bench.checkpoint",
     "pipeline": "jaxpar.bench.pipeline",
 }
