@@ -224,6 +224,7 @@ def test_mixtral_8x7b_counts_match_published():
     cfg = make_config({}, ["model.preset=mixtral_8x7b"]).model
     assert param_count(cfg) == 46_702_792_704
     assert active_param_count(cfg) == 12_879_925_248
+    assert ModelDef.from_factory(lambda r: MoELlama(cfg, r)).n_params == 46_702_792_704  # abstract
     # A preset's moe section merges with the one given beside it.
     cfg = make_config({}, ["model.preset=mixtral_8x7b", "model.moe.dispatch=dropless"]).model
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.dispatch) == (8, 2, "dropless")
