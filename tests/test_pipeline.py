@@ -89,3 +89,29 @@ def test_config_errors(overrides, match, devices):
     from tests.conftest import tiny_config
     with pytest.raises(ConfigError, match=match):
         Trainer(tiny_config("mesh.data=-1", *overrides), devices=devices)
+
+
+FULL = [(s, p, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for p in (2, 4) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("JAXPAR_PIPELINE_FULL"),
+                    reason="the whole schedule x p x m matrix takes ~5 min on 2 cores; "
+                           "JAXPAR_PIPELINE_FULL=1 runs it")
+@pytest.mark.parametrize("schedule,p,m", FULL)
+def test_full_matrix(schedule, p, m, devices):
+    """Every schedule at pipeline 2 and 4 with microbatches p, 2p, 4p (8 layers; v = 2)."""
+    base = ["model.n_layers=8", "mesh.data=1"]
+    ref = _full_reference(devices)
+    extra = ["pipeline.virtual_stages=2"] if schedule == "interleaved_1f1b" else []
+    got = loss_and_grads(base + [f"mesh.pipeline={p}", f"pipeline.schedule={schedule}",
+                                 f"train.grad_accum={m}"] + extra, devices[:p])
+    assert_matches(got, ref)
+
+
+_FULL_REF = []
+
+
+def _full_reference(devices):
+    if not _FULL_REF:
+        _FULL_REF.append(loss_and_grads(["model.n_layers=8", "mesh.data=1"], devices[:1]))
+    return _FULL_REF[0]

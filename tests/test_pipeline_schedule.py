@@ -125,3 +125,15 @@ def test_bench_pipeline_timetable_columns(tmp_path):
     assert (tmp_path / "tt.png").exists()
     text = format_result({"benchmark": "pipeline", **res})
     assert "interleaved_1f1b" in text and "formula" in text
+
+
+def test_lockstep_time():
+    """GPipe's ticks are all-forward or all-backward; 1f1b mixes them, so in lockstep its ticks
+    cost a backward: (m+p-1) x (1 + 3) vs ~2 (m+p-1) x 3 minus the edges."""
+    p, m = 4, 8
+    gp = build_timetable("gpipe", p, m)
+    assert gp.lockstep_time() == pytest.approx((m + p - 1) * 1 + (m + p - 1) * 3 - 1)  # last F folded
+    one = build_timetable("1f1b", p, m)
+    assert one.lockstep_time() > gp.lockstep_time()
+    inter = build_timetable("interleaved_1f1b", p, m, 2)
+    assert inter.lockstep_time() < one.lockstep_time()

@@ -7,6 +7,8 @@ For each schedule (gpipe, 1f1b, interleaved_1f1b with v = 2) and each (p, m, v):
     bubble/compute ratio (p-1)/(v*m) is 1f1b's divided by v);
   - stash: the peak number of microbatch(-chunk)s a device holds between a forward and its
     backward (device 0, the most), and the stage-input buffer slots the runner allocates;
+  - lockstep t: the runner's wall time by Timetable.lockstep_time (forward 1, backward 2, +1
+    for the recompute; a tick lasts as long as its slowest device), beside the work m x 3;
   - temp: `compiled.memory_analysis().temp_size_in_bytes` of the whole train step, for
     p = mesh.pipeline only (one compile each), with the microbatch size held fixed
     (global_batch = data-parallel size x m x microbatch) so that only m changes.
@@ -39,7 +41,8 @@ def timetable_row(schedule: str, p: int, m: int, v: int) -> dict:
     tt = build_timetable(schedule, p, m, v)
     return {"schedule": schedule, "p": p, "m": m, "v": v, "ticks": tt.ticks,
             "idle": tt.idle_fraction(), "formula": tt.formula(), "stash": max(tt.in_flight()),
-            "stash_per_device": tt.in_flight(), "buffer_slots": tt.n_x_slots}
+            "stash_per_device": tt.in_flight(), "buffer_slots": tt.n_x_slots,
+            "lockstep_time": tt.lockstep_time(), "work": m * 3.0}
 
 
 def temp_memory(cfg: Config, schedule: str, m: int, v: int) -> dict:
@@ -83,11 +86,15 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, plot: str | No
 
 
 def format_result(res: dict) -> str:
-    headers = ["schedule", "p", "m", "v", "ticks", "idle", "formula", "stash/dev", "slots", "temp/device"]
+    headers = ["schedule", "p", "m", "v", "ticks", "idle", "formula", "stash/dev", "slots", "lockstep t",
+               "temp/device"]
     rows = [[r["schedule"], r["p"], r["m"], r["v"], r["ticks"], f"{r['idle']:.3f}", f"{r['formula']:.3f}",
-             r["stash"], r["buffer_slots"], fmt_bytes(r.get("temp_bytes"))] for r in res["rows"]]
+             r["stash"], r["buffer_slots"], f"{r['lockstep_time']:.1f}/{r['work']:.0f}",
+             fmt_bytes(r.get("temp_bytes"))] for r in res["rows"]]
     lines = [f"pipeline schedules (temp/device: compiled step at mesh.pipeline={res['mesh_pipeline']}, "
              f"microbatch of {res['microbatch']} sequences per data-parallel slice)", table(headers, rows)]
+    lines.append("lockstep t: the runner's wall time in device-forwards (forward 1, backward 2, plus 1 to "
+                 "recompute; each tick lasts as long as its slowest device) / the work without recompute")
     if res.get("plot"):
         lines.append(f"timetable drawn in {res['plot']}")
     return "\n".join(lines)

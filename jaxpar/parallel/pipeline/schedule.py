@@ -143,6 +143,16 @@ class Timetable:
             peaks.append(peak)
         return peaks
 
+    def lockstep_time(self, forward: float = 1.0, backward: float = 2.0) -> float:
+        """Wall time of the runner's ticks in units of one device's whole forward (all its layers)
+        of one microbatch, with a backward costing `backward` forwards. Ticks are lockstep (the
+        ppermutes at their end), so each lasts as long as its slowest device; the runner's
+        backward recomputes its forward (+1), and the last stage's forward is folded into its
+        backward (0)."""
+        f, b = forward / self.v, (forward + backward) / self.v
+        cost = np.array([0.0, f, f, b, b, b])  # IDLE, F_FIRST, F_MID, B_FIRST, B_MID, B_LAST
+        return float(cost[self.code].max(axis=1).sum())
+
     def render(self, width: int = 4) -> str:
         """Text drawing: one line per device, one column per tick (F3 = forward of
         microbatch 3, B3 = its backward; with chunks, F3.1 = chunk 1)."""
