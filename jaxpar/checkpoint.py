@@ -447,6 +447,13 @@ def plan_resume(cfg: Config, n_devices: int | None = None, own_root: Path | None
                 f"delete them, choose another name, or resume (train.resume=auto)")
         return ResumePlan(cfg)
     root, step = src
+    changes: list[str] = []
+    if cfg.train.resume not in ("auto", "never") and Path(root).absolute() != own.absolute() \
+            and any(ok for _, _, ok in list_steps(own)):
+        # a restarted run (same command) continues from its own, newer checkpoints
+        changes.append(f"train.resume={cfg.train.resume!r} not used: this run already has its own "
+                       f"checkpoints in {own}")
+        root, step = own, None
     found = _first_readable_meta(root, step)
     if found is None:
         if cfg.train.resume != "auto":
@@ -460,9 +467,9 @@ def plan_resume(cfg: Config, n_devices: int | None = None, own_root: Path | None
     if diffs:
         raise CheckpointError(f"checkpoint {root / str(s)} was saved for another model:\n  "
                               + "\n  ".join(diffs))
-    changes: list[str] = []
     if cfg.checkpoint.elastic and int(meta.get("devices", n)) != n:
-        cfg, changes = adapt_layout(cfg, meta, n)
+        cfg, adapted = adapt_layout(cfg, meta, n)
+        changes += adapted
     return ResumePlan(cfg, root, step, meta, changes)
 
 

@@ -167,9 +167,16 @@ def test_plan_resume_errors(tmp_path, devices):
         ck.plan_resume(tiny_config(f"run_dir={tmp_path}", "name=r", "train.resume=never"), 8)
     with pytest.raises(ck.CheckpointError, match="no such directory"):
         ck.plan_resume(tiny_config(f"run_dir={tmp_path}", "name=r", f"train.resume={tmp_path}/x"), 8)
-    plan = ck.plan_resume(tiny_config(f"run_dir={tmp_path}", "name=other", "model.dim=256",
-                                      f"train.resume={root / '3'}"), 8)
+    other = tiny_config(f"run_dir={tmp_path}", "name=other", "model.dim=256", f"train.resume={root / '3'}")
+    plan = ck.plan_resume(other, 8)
     assert plan.resuming and plan.step == 3 and plan.root == root
+    # restarted with the same command after saving its own checkpoints: continues from those
+    mgr = ck.Checkpointer(ck.checkpoint_dir(other))
+    mgr.save(5, state, {"devices": 8}, {"model": other.model.model_dump(mode="json")})
+    mgr.close()
+    plan = ck.plan_resume(other, 8)
+    assert plan.root == ck.checkpoint_dir(other) and plan.step is None
+    assert "not used: this run already has its own checkpoints" in plan.changes[0]
 
 
 def test_truncate_metrics(tmp_path):

@@ -406,7 +406,7 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     plan = plan_resume(cfg) if cfg.checkpoint.enabled else ResumePlan(cfg)
     cfg = plan.cfg
     for change in plan.changes:
-        log(f"elastic resume: {change}")
+        log(("resume: " if change.startswith("train.resume=") else "elastic resume: ") + change)
     out = cfg.out_dir
     if jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)
