@@ -138,8 +138,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         if run_pipeline is None:
             grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
         else:
-            losses, grads = run_pipeline(params, mbs, n_tokens)
-            aux = {}  # sown values (MoE router losses) are not collected in a pipeline yet
+            losses, grads, aux = run_pipeline(params, mbs, n_tokens)
         grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm)
         busy = tuple(a for a in manual if plan.mesh.shape[a] > 1)
         total = lambda x: jax.lax.psum(x, busy) if busy else x

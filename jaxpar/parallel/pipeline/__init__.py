@@ -54,11 +54,6 @@ def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
             "sharding.sequence_parallel does not compose with mesh.pipeline > 1 yet (the compiler's "
             "collective-permutes inside a stage's branch would wait on the other stages); set "
             "sharding.sequence_parallel=false")
-    moe = getattr(cfg.model, "moe", None)
-    if check_model and getattr(moe, "num_experts", 0):
-        raise ConfigError(
-            "model.moe (mixture of experts) does not compose with mesh.pipeline > 1 yet (router "
-            "losses are not collected across stages); set mesh.pipeline=1")
     dp = plan.batch_size_divisor
     if t.global_batch % (dp * m):
         raise ConfigError(
@@ -86,7 +81,8 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
     tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages)
     manual = frozenset(plan.batch_axes) | {"pipeline"}
     ctx = dataclasses.replace(ctx, constrain=context_mesh_constrainer(plan, manual))
-    run = make_pipeline_grads(model, tt, ctx, prepare_top, loss_sum_fn, scatter, grad_specs, stacked)
+    share = 1.0 / (plan.batch_size_divisor * m)  # sown values: one microbatch's share of the batch
+    run = make_pipeline_grads(model, tt, ctx, prepare_top, loss_sum_fn, scatter, grad_specs, stacked, share)
     return run, m
 
 

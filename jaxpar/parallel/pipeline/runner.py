@@ -18,6 +18,9 @@ One `lax.scan` over the ticks; each tick
      timetable allocated (so a stage keeps only as many inputs as the schedule has in flight).
 Gradients accumulate per device: layer grads stay local to their stage, top-param grads are
 summed over `pipeline` by the step's final reduction (only the first and last stage add to them).
+What passes between stages is the model's scan carry, any pytree (the MoE model carries its
+router-loss sums beside the activations); what the model sows in its epilogue (jaxpar.nn.sow)
+is collected by the last stage, added to its loss and returned per microbatch-sum.
 
 The model is cut with the `jaxpar.nn.scan_layers` hook: what runs before the model's (single)
 scan_layers call is the first stage's prologue, the scan is split by stage, what follows is the
@@ -97,9 +100,10 @@ def from_interleaved(x: jax.Array, p: int, v: int) -> jax.Array:
 
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
                         loss_sum_fn: Callable, scatter: Callable, grad_specs: Any,
-                        stacked: set[tuple]) -> Callable:
-    """run(params, mbs, n_tokens) -> (losses [1], local grads): the pipelined equivalent of
-    summing jax.value_and_grad(loss) over the microbatches `mbs` [m, b, seq+1].
+                        stacked: set[tuple], share: float = 1.0) -> Callable:
+    """run(params, mbs, n_tokens) -> (losses [1], local grads, sown [1]): the pipelined equivalent
+    of summing jax.value_and_grad(loss) over the microbatches `mbs` [m, b, seq+1]. Sown values
+    are weighted by `share` (a microbatch's fraction of the global batch), as in the plain step.
 
     `prepare_top(state)` casts/gathers the non-layer params, `scatter(grads, specs)` is the
     per-microbatch gradient reduction (ZeRO-2), `stacked` the param paths with a `layers` dim.
@@ -145,8 +149,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return call(top, lay_k, tok, hook, False)
 
         def post(top, lay_k, y, tok):
-            logits = call(top, lay_k, tok, lambda stack, carry, fn: y, True)
-            return loss_sum_fn(logits, tok[:, 1:]) / n_tokens
+            from jaxpar.train.step import add_sown
+            with nn.collect_aux() as sown:
+                logits = call(top, lay_k, tok, lambda stack, carry, fn: y, True)
+            return add_sown(loss_sum_fn(logits, tok[:, 1:]) / n_tokens, sown, share)
 
         def chunk(k):
             return {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))
@@ -165,7 +171,9 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return {n: acc[n] + g[n].astype(acc[n].dtype) for n in acc}
 
         x_sds = jax.eval_shape(lambda: pre(top, chunk(0), mbs[0]))
-        zeros_x = jnp.zeros(x_sds.shape, x_sds.dtype)
+        zeros_x = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x_sds)
+        sown_sds = jax.eval_shape(lambda: post(top, chunk(0), body(top, chunk(0), zeros_x, mbs[0]), mbs[0]))[1][1]
+        tree_at = lambda buf, i: jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, keepdims=False), buf)
 
         # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, tok, k) -> (..., y, dx)
         def idle(at, al, loss, x, g, tok, k):
@@ -189,9 +197,11 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return at, add_chunk(al, dl, k), loss, zeros_x, dx
 
         def b_last(at, al, loss, x, g, tok, k):
-            val, vjp = jax.vjp(lambda t, lk, xi: post(t, lk, body(t, lk, xi, tok), tok), top, chunk(k), x)
+            val, vjp, (lm, sown) = jax.vjp(lambda t, lk, xi: post(t, lk, body(t, lk, xi, tok), tok),
+                                           top, chunk(k), x, has_aux=True)
             dt, dl, dx = vjp(jnp.ones(val.shape, val.dtype))
-            return add_top(at, dt), add_chunk(al, dl, k), loss + val.astype(loss.dtype), zeros_x, dx
+            loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
+            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx
 
         branches = {IDLE: idle, F_FIRST: f_first, F_MID: f_mid, B_FIRST: b_first, B_MID: b_mid,
                     B_LAST: b_last}
@@ -207,14 +217,15 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             r = row[d]
             code, i, k, xs, gs, rx, rg = (r[j] for j in range(7))
             tok = jax.lax.dynamic_index_in_dim(mbs, i, keepdims=False)
-            x_in = jax.lax.dynamic_index_in_dim(xbuf, xs, keepdims=False)
-            g_in = jax.lax.dynamic_index_in_dim(gbuf, gs, keepdims=False)
+            x_in, g_in = tree_at(xbuf, xs), tree_at(gbuf, gs)
             at, al, loss, y, dx = jax.lax.switch(code, fns, at, al, loss, x_in, g_in, tok, k)
-            x_recv = jax.lax.ppermute(y, AXIS, fwd_perm)
-            g_recv = jax.lax.ppermute(dx, AXIS, bwd_perm)
+            x_recv = jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, fwd_perm), y)
+            g_recv = jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, bwd_perm), dx)
             # Slot n (one past the last) takes what arrives for nobody.
-            xbuf = jax.lax.dynamic_update_index_in_dim(xbuf, x_recv, jnp.where(rx < 0, n_x, rx), 0)
-            gbuf = jax.lax.dynamic_update_index_in_dim(gbuf, g_recv, jnp.where(rg < 0, n_g, rg), 0)
+            put = lambda buf, new, i: jax.tree.map(
+                lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, i, 0), buf, new)
+            xbuf = put(xbuf, x_recv, jnp.where(rx < 0, n_x, rx))
+            gbuf = put(gbuf, g_recv, jnp.where(rg < 0, n_g, rg))
             return (at, al, loss, xbuf, gbuf), None
 
         acc_top = jax.tree.map(jnp.zeros_like, jax.eval_shape(
@@ -223,12 +234,13 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         acc_lay = jax.eval_shape(lambda: scatter({n: a[0] for n, a in lay.items()},
                                                  {n: flat_specs[n] for n in lay}))
         acc_lay = {n: jnp.zeros((v, *a.shape), lay[n].dtype) for n, a in acc_lay.items()}
-        buf = lambda n: jnp.zeros((n + 1, *x_sds.shape), x_sds.dtype)
-        carry = (acc_top, acc_lay, jnp.zeros((), jnp.float32), buf(n_x), buf(n_g))
-        (acc_top, acc_lay, loss, _, _), _ = jax.lax.scan(tick, carry, table)
+        buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
+        loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
+        carry = (acc_top, acc_lay, loss0, buf(n_x), buf(n_g))
+        (acc_top, acc_lay, (loss, sown), _, _), _ = jax.lax.scan(tick, carry, table)
         if v > 1:
             acc_lay = {n: from_interleaved(a, p, v) for n, a in acc_lay.items()}
         acc_lay = {n: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for n, a in acc_lay.items()}
-        return loss[None], unflatten({**acc_top, **acc_lay})
+        return loss[None], unflatten({**acc_top, **acc_lay}), jax.tree.map(lambda a: a[None], sown)
 
     return run
