@@ -95,7 +95,7 @@ FULL = [(s, p, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for p in (2, 4)
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("JAXPAR_PIPELINE_FULL"),
-                    reason="the whole schedule x p x m matrix takes ~5 min on 2 cores; "
+                    reason="the whole schedule x p x m matrix takes ~8 min on 2 shared cores; "
                            "JAXPAR_PIPELINE_FULL=1 runs it")
 @pytest.mark.parametrize("schedule,p,m", FULL)
 def test_full_matrix(schedule, p, m, devices):
