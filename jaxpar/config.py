@@ -216,6 +216,10 @@ class OptimizerConfig(Strict):
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     clip_norm: float | None = Field(1.0, gt=0)
+    # `onebit_adam`: exact Adam for `onebit_warmup_steps`, then frozen variance and momentum
+    # reduced with 1-bit compression (signs + block scales) and error feedback.
+    name: Literal["adamw", "onebit_adam"] = "adamw"
+    onebit_warmup_steps: int = Field(100, ge=0)
 
 
 class GradientCompressionConfig(Strict):
@@ -236,6 +240,7 @@ class GradientCompressionConfig(Strict):
     axes: list[str] | None = None
     scope: Literal["all", "dcn"] = "all"
     dcn_size: int | None = Field(None, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="steps of float32 reduction before compressing")
 
     @field_validator("method")
     @classmethod

@@ -143,7 +143,7 @@ def test_powersgd_error_feedback_loses_nothing(devices):
 
 DP = ["mesh.data=8", "sharding.zero_stage=0", "train.steps=3", "optimizer.lr=3e-3"]
 METHODS = ["none", "bf16", "fp16", "int8", "onebit", "topk", "powersgd"]
-EXTRA = {"topk": ["gradient_compression.topk_fraction=0.1"]}
+EXTRA = {"topk": ["gradient_compression.topk_fraction=0.1", "gradient_compression.warmup_steps=1"]}
 
 
 def train(overrides, devices):
@@ -183,6 +183,14 @@ def test_training_lowers_the_loss(method, runs):
     assert losses[-1] < losses[0] - 0.05, losses
     if method in ("bf16", "fp16", "int8"):
         np.testing.assert_allclose(losses, runs["none"][2], rtol=2e-3)
+
+
+def test_float32_warmup_then_compressed(runs):
+    """topk runs with gradient_compression.warmup_steps=1: its first update is the float32 one."""
+    _, _, losses = runs["topk"]
+    _, _, ref = runs["none"]
+    np.testing.assert_allclose(losses[:2], ref[:2], rtol=1e-6)
+    assert abs(losses[2] - ref[2]) > 1e-6  # then topk's own (sparser) updates
 
 
 @pytest.mark.parametrize("method,wire", [("int8", "s8"), ("onebit", "u8"), ("bf16", "u16"), ("fp16", "f16")])

@@ -5,6 +5,7 @@
   comm      bytes per collective kind per step (from the compiled HLO) vs the analytic minimum
   moe       expert all-to-all bytes (compiled HLO vs analytic) and step time, capacity vs dropless
   checkpoint  save / restore MB/s of a ~300 MB state; slowdown of steps overlapping an async save
+  compression  gradient-reduction bytes per step per compression method (HLO) and loss beside none
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
 benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
@@ -27,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "comm": "jaxpar.bench.comm",
     "moe": "jaxpar.bench.moe",
     "checkpoint": "jaxpar.bench.checkpoint",
+    "compression": "jaxpar.bench.compression",
     "pipeline": "jaxpar.bench.pipeline",
 }
 

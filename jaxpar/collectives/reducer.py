@@ -85,6 +85,9 @@ class GradientReducer:
         self.comp = compressor or make_compressor(cfg)
         self.plan = plan
         sizes = plan.mesh.shape
+        if sizes.get("pipeline", 1) > 1:
+            raise ConfigError("gradient compression (and 1-bit Adam) with mesh.pipeline > 1 is not supported "
+                              "yet; use gradient_compression.method=none with pipeline parallelism")
         self.manual = tuple(plan.batch_axes)
         self.n_devices = math.prod(sizes[a] for a in self.manual)
         is_spec = lambda x: isinstance(x, P)
@@ -199,14 +202,29 @@ class GradientReducer:
     # ------------------------------------------------------------------ the reduction
 
     def extra_inputs(self, state) -> dict:
-        """More of the train state the reduction reads (1-bit Adam: the optimizer's momentum)."""
-        return {}
+        """More of the train state the reduction reads (the step, for a float32 warm-up)."""
+        return {"step": state["step"]} if self.cfg.warmup_steps else {}
 
     def extra_specs(self, grad_out) -> dict:
-        return {}
+        return {"step": P()} if self.cfg.warmup_steps else {}
 
     def reduce(self, grads, comm: dict | None, extra: dict | None = None):
-        """Inside shard_map: (summed grads, new comm state). comm leaves carry a leading 1."""
+        """Inside shard_map: (summed grads, new comm state). comm leaves carry a leading 1.
+        During gradient_compression.warmup_steps the reduction is the float32 psum (residuals
+        untouched), then the compressed one."""
+        if self.cfg.warmup_steps and extra and "step" in extra:
+            return jax.lax.cond(extra["step"] >= self.cfg.warmup_steps, self._compressed, self._plain,
+                                grads, comm)
+        return self._compressed(grads, comm)
+
+    def _plain(self, grads, comm):
+        leaves = self.treedef.flatten_up_to(grads)
+        for b in self.buckets:
+            for i in b.leaves:
+                leaves[i] = jax.lax.psum(leaves[i], b.rest)
+        return jax.tree.unflatten(self.treedef, leaves), comm
+
+    def _compressed(self, grads, comm: dict | None):
         comm = jax.tree.map(lambda x: x[0], comm or {})
         leaves = self.treedef.flatten_up_to(grads)
         out = list(leaves)

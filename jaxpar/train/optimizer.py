@@ -22,6 +22,9 @@ def decay_mask(axes_tree: dict) -> dict:
 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int, axes_tree: dict) -> optax.GradientTransformation:
+    if getattr(cfg, "name", "adamw") == "onebit_adam":
+        from jaxpar.collectives.onebit_adam import onebit_adam
+        return onebit_adam(cfg, total_steps, axes_tree)
     parts = []
     if cfg.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))

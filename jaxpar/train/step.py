@@ -41,6 +41,7 @@ class StepSpec:
     state_shardings: Any
     batch_sharding: NamedSharding
     reducer: Any = None  # jaxpar.collectives.GradientReducer when gradients are compressed
+    local_sgd: Any = None  # jaxpar.collectives.local_sgd.LocalSGD when replicas step alone
 
 
 def _is_axes(x) -> bool:
@@ -48,7 +49,7 @@ def _is_axes(x) -> bool:
 
 
 def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation,
-                   compression: Any = None) -> StepSpec:
+                   compression: Any = None, optimizer: Any = None, local_sgd: Any = None) -> StepSpec:
     param_specs = jax.tree.map(lambda ax, s: plan.spec(ax, s.shape, "param"), model.axes, model.shapes,
                                is_leaf=_is_axes)
     grad_specs = jax.tree.map(lambda ax, s: plan.spec(ax, s.shape, "grad"), model.axes, model.shapes,
@@ -66,14 +67,25 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
         "params": jax.tree.map(to_sh, param_specs, is_leaf=lambda x: isinstance(x, P)),
         "opt_state": opt_shardings,
     }
-    reducer = None
-    if compression is not None and compression.method != "none":
+    reducer = local = None
+    if local_sgd is not None and local_sgd.sync_every > 1:
+        from jaxpar.collectives.local_sgd import LocalReducer, LocalSGD
+        local = LocalSGD(local_sgd, plan, param_specs, compression, optimizer)
+        local.update_shardings(state_shardings)
+        reducer = LocalReducer(plan, grad_specs)
+    elif optimizer is not None and getattr(optimizer, "name", "adamw") == "onebit_adam":
+        from jaxpar.collectives.onebit_adam import OneBitAdamReducer
+        from jaxpar.config import GradientCompressionConfig
+        reducer = OneBitAdamReducer(optimizer, compression or GradientCompressionConfig(), plan, model,
+                                    grad_specs)
+        state_shardings["comm"] = reducer.state_shardings()
+    elif compression is not None and compression.method != "none":
         from jaxpar.collectives.reducer import GradientReducer
         reducer = GradientReducer(compression, plan, model, grad_specs)
         if reducer.stateful:  # error-feedback residuals: one row per batch device
             state_shardings["comm"] = reducer.state_shardings()
     return StepSpec(param_specs, grad_specs, opt_shardings, state_shardings,
-                    plan.sharding(plan.batch_spec()), reducer)
+                    plan.sharding(plan.batch_spec()), reducer, local)
 
 
 def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int], dict]:
@@ -84,6 +96,8 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
         if "comm" in spec.state_shardings:
             state["comm"] = spec.reducer.init_state()
+        if spec.local_sgd is not None:
+            state["opt_state"], state["local"] = spec.local_sgd.init(params, tx)
         return state
     return jax.jit(init, static_argnums=0, out_shardings=spec.state_shardings)
 
@@ -123,7 +137,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         loss = loss_sum_fn(logits, tokens[:, 1:]) / n_tokens
         return add_sown(loss, sown, 1.0 / (plan.batch_size_divisor * grad_accum))
 
-    def local_grads(params, tokens, comm):
+    def local_grads(params, tokens, comm, extra):
         n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * plan.batch_size_divisor
         mbs = tokens.reshape(grad_accum, tokens.shape[0] // grad_accum, tokens.shape[1])
 
@@ -139,24 +153,34 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
         else:
             losses, grads, aux = run_pipeline(params, mbs, n_tokens)
-        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm)
+        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm, extra=extra)
         busy = tuple(a for a in manual if plan.mesh.shape[a] > 1)
         total = lambda x: jax.lax.psum(x, busy) if busy else x
         return (total(losses.sum()), jax.tree.map(lambda a: total(a.sum(0)), aux)), grads, comm
 
     comm_specs = spec.reducer.state_specs() if "comm" in spec.state_shardings else {}
+    extra_specs = spec.reducer.extra_specs(grad_out) if spec.reducer is not None else {}
+    replicas = spec.local_sgd
     sharded_grads = jax.shard_map(
-        local_grads, mesh=plan.mesh, in_specs=(param_in, plan.batch_spec(), comm_specs),
-        out_specs=((P(), P()), grad_out, comm_specs), axis_names=set(manual), check_vma=False,
+        replicas.wrap(local_grads) if replicas else local_grads, mesh=plan.mesh,
+        in_specs=(replicas.replica_specs(param_in) if replicas else param_in, plan.batch_spec(), comm_specs, extra_specs),
+        out_specs=((P(), P()), replicas.replica_specs(grad_out) if replicas else grad_out, comm_specs), axis_names=set(manual), check_vma=False,
     )
     grad_shardings = jax.tree.map(plan.sharding, spec.grad_specs, is_leaf=is_spec)
+    if replicas:
+        grad_shardings = replicas.replica_shardings(grad_shardings)
 
     def step(state, tokens):
-        (loss, aux), grads, comm = sharded_grads(state["params"], tokens, state.get("comm", {}))
+        extra = spec.reducer.extra_inputs(state) if spec.reducer is not None else {}
+        (loss, aux), grads, comm = sharded_grads(replicas.params_in(state) if replicas else state["params"], tokens, state.get("comm", {}), extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        local = None
+        if replicas:  # local SGD: each replica steps alone; every sync_every steps they meet
+            params, opt_state, local = replicas.update(tx, grads, state)
+        else:
+            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, **flat_metrics(aux)}
         if skip_nonfinite:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -172,6 +196,11 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
                 comm = jax.tree.map(lambda new, old: jnp.where(metrics["nonfinite"] == 0, new, old),
                                     comm, state["comm"])
             new_state["comm"] = comm
+        if local is not None:
+            if "nonfinite" in metrics:
+                local = jax.tree.map(lambda new, old: jnp.where(metrics["nonfinite"] == 0, new, old),
+                                     local, state["local"])
+            new_state["local"] = local
         return new_state, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),

@@ -86,7 +86,8 @@ class Trainer:
         self.model = ModelDef.from_factory(self.model_factory or llama_model_factory(cfg))
         self.lr_schedule = schedule(cfg.optimizer, cfg.train.steps)
         self.tx = build_optimizer(cfg.optimizer, cfg.train.steps, self.model.axes)
-        self.spec = make_step_spec(self.model, self.plan, self.tx, compression=cfg.gradient_compression)
+        self.spec = make_step_spec(self.model, self.plan, self.tx, compression=cfg.gradient_compression,
+                                   optimizer=cfg.optimizer, local_sgd=cfg.local_sgd)
         named = {}
         flat_specs = self.model.leaves_with_paths(self.spec.param_specs)
         for path, sds in self.model.leaves_with_paths(self.model.shapes).items():

@@ -1,0 +1,150 @@
+"""Local SGD (`local_sgd.sync_every: H > 1`): data-parallel replicas step alone for H steps, then
+average their parameters -- one parameter all-reduce every H steps instead of a gradient
+all-reduce every step, so the `data` reduction traffic is divided by H.
+
+  state["local"]["params"]  each replica's own parameters, a leading axis over `data` (R rows,
+                            sharded over `data`: every device holds its replica's copy)
+  state["opt_state"]        the inner optimizer's state, per replica (same leading axis)
+  state["params"]           the synchronised parameters (what is evaluated and exported),
+                            updated at each sync:
+      outer: average   params = mean over replicas
+      outer: nesterov  (DiLoCo) delta = params - mean, m = mu m + delta,
+                       params -= outer_lr * (delta + mu m); state["local"]["momentum"] holds m
+  after a sync every replica restarts from state["params"].
+
+Inside the step's shard_map, gradients are summed over the batch axes except `data` (fsdp and
+expert still reduce within a replica); clipping is per replica. Needs mesh.data > 1, parameters
+not sharded over `data`, no gradient compression, AdamW, no pipeline.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.config import ConfigError
+
+AXIS = "data"
+
+
+def _names(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+class LocalSGD:
+    def __init__(self, cfg, plan, param_specs, compression=None, optimizer=None):
+        shape = plan.mesh.shape
+        self.cfg, self.plan = cfg, plan
+        self.replicas, self.every = shape.get(AXIS, 1), cfg.sync_every
+        if self.replicas < 2:
+            raise ConfigError(f"local_sgd.sync_every={cfg.sync_every} needs data-parallel replicas: mesh.data > 1")
+        if AXIS not in plan.batch_axes:
+            raise ConfigError("local_sgd needs `data` among the batch axes (sharding.rules.batch)")
+        if shape.get("pipeline", 1) > 1:
+            raise ConfigError("local_sgd with mesh.pipeline > 1 is not supported")
+        if compression is not None and compression.method != "none":
+            raise ConfigError(f"local_sgd syncs parameters, not gradients: drop gradient_compression.method="
+                              f"{compression.method!r}")
+        if optimizer is not None and getattr(optimizer, "name", "adamw") != "adamw":
+            raise ConfigError(f"local_sgd runs AdamW inside each replica, not optimizer.name={optimizer.name!r}")
+        is_spec = lambda x: isinstance(x, P)
+        if any(AXIS in _names(e) for s in jax.tree.leaves(param_specs, is_leaf=is_spec) for e in s):
+            raise ConfigError("local_sgd: parameters sharded over `data` (sharding.rules) cannot form replicas")
+        self.nesterov = cfg.outer == "nesterov"
+
+    # ------------------------------------------------------------------ layout
+    def replica_spec(self, spec: P) -> P:
+        return P(AXIS, *spec)
+
+    def replica_specs(self, specs):
+        return jax.tree.map(self.replica_spec, specs, is_leaf=lambda x: isinstance(x, P))
+
+    def replica_shardings(self, shardings):
+        return jax.tree.map(lambda s: NamedSharding(s.mesh, self.replica_spec(s.spec)), shardings,
+                            is_leaf=lambda x: isinstance(x, NamedSharding))
+
+    def update_shardings(self, state_shardings: dict) -> None:
+        state_shardings["opt_state"] = self.replica_shardings(state_shardings["opt_state"])
+        local = {"params": self.replica_shardings(state_shardings["params"])}
+        if self.nesterov:
+            local["momentum"] = state_shardings["params"]
+        state_shardings["local"] = local
+
+    def init(self, params, tx) -> dict:
+        """(inner opt state, state["local"]) for fresh `params`."""
+        lp = jax.tree.map(lambda p: jnp.broadcast_to(p, (self.replicas, *p.shape)), params)
+        local = {"params": lp}
+        if self.nesterov:
+            local["momentum"] = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return jax.vmap(tx.init)(lp), local
+
+    # ------------------------------------------------------------------ the step
+    def wrap(self, local_grads):
+        """The shard_map body on replica-stacked params: squeeze this replica's row, add it back."""
+        def body(params, tokens, comm, extra):
+            params = jax.tree.map(lambda p: p[0], params)
+            loss, grads, comm = local_grads(params, tokens, comm, extra)
+            return loss, jax.tree.map(lambda g: g[None], grads), comm
+        return body
+
+    def params_in(self, state):
+        return state["local"]["params"]
+
+    def update(self, tx, grads, state):
+        """Each replica's optimizer step; every `sync_every` steps the outer step and a restart."""
+        lp = state["local"]["params"]
+        updates, opt_state = jax.vmap(tx.update)(grads, state["opt_state"], lp)
+        lp = optax.apply_updates(lp, updates)
+        outer = state["params"]
+        mom = state["local"].get("momentum")
+        cfg = self.cfg
+
+        def sync(args):
+            lp, outer, mom = args
+            avg = jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), lp)  # the all-reduce over data
+            if self.nesterov:
+                delta = jax.tree.map(lambda o, a: o.astype(jnp.float32) - a, outer, avg)
+                mom = jax.tree.map(lambda m, d: cfg.outer_momentum * m + d, mom, delta)
+                new = jax.tree.map(lambda o, d, m: (o - cfg.outer_lr * (d + cfg.outer_momentum * m)).astype(o.dtype),
+                                   outer, delta, mom)
+            else:
+                new = jax.tree.map(lambda o, a: a.astype(o.dtype), outer, avg)
+            lp = jax.tree.map(lambda p, n: jnp.broadcast_to(n, p.shape).astype(p.dtype), lp, new)
+            return lp, new, mom
+
+        lp, outer, mom = jax.lax.cond((state["step"] + 1) % self.every == 0, sync, lambda a: a, (lp, outer, mom))
+        local = {"params": lp}
+        if self.nesterov:
+            local["momentum"] = mom
+        return outer, opt_state, local
+
+
+class LocalReducer:
+    """The per-step gradient reduction under local SGD: every batch axis except `data`."""
+
+    def __init__(self, plan, grad_specs):
+        from jaxpar.parallel.data import reduce_final_grads
+        self._reduce = reduce_final_grads
+        self.manual = frozenset(a for a in plan.batch_axes if a != AXIS)
+        self.sizes = plan.mesh.shape
+        self._specs = grad_specs
+
+    def extra_inputs(self, state):
+        return {}
+
+    def extra_specs(self, grad_out):
+        return {}
+
+    def describe(self) -> str:
+        return "local SGD: gradients reduced within a replica only"
+
+    def reduce(self, grads, comm, extra=None):
+        from jaxpar.parallel.data import sharded_dims
+        out = []
+        leaves, treedef = jax.tree.flatten(grads)
+        for g, spec in zip(leaves, jax.tree.leaves(self._specs, is_leaf=lambda x: isinstance(x, P))):
+            done = {a for _, names in sharded_dims(spec, self.manual | {AXIS}) for a in names}
+            rest = tuple(sorted(a for a in self.manual if a not in done and self.sizes[a] > 1))
+            out.append(jax.lax.psum(g, rest) if rest else g)
+        return jax.tree.unflatten(treedef, out), comm

@@ -1,0 +1,137 @@
+"""1-bit Adam (Tang et al., 2021): exact Adam for a warm-up, then frozen variance and momentum
+reduced with 1-bit compression and error feedback.
+
+  warm-up (optimizer.onebit_warmup_steps steps): the gradients are all-reduced in float32 and
+      Adam runs as usual (with global-norm clipping), building the variance nu;
+  then:   nu is frozen (a fixed per-parameter preconditioner). Each device forms its own
+      momentum b1 * m + (1 - b1) * g_local from the shared m and its local gradient, and the
+      devices sum those with the onebit compressor (signs packed 8 per byte + a float32 scale per
+      block, error feedback on both stages: base.two_stage_reduce). The sum is the new shared m;
+      the update is lr * (m_hat / (sqrt(nu_hat) + eps) + wd * p). The gradient clipping
+      factor is frozen too: the optimizer recovers the jointly sent gradient
+      g~ = (m_new - b1 m) / (1 - b1) from the reduced momentum and scales it by the last warm-up
+      step's factor before forming m (the global norm of the true gradient is never known).
+
+Two pieces: `onebit_adam(...)`, the optax transformation (its state: count, mu, nu), and
+`OneBitAdamReducer`, the step's data-parallel reduction, which looks at the optimizer state
+(count, mu) to pick the phase (a lax.cond inside the shard_map) and returns the reduced
+gradient during the warm-up and the new momentum after it. The optimizer state has to be laid
+out like the gradients (replicated over the batch axes): zero_stage 0, or 1 with fsdp = 1.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.collectives.onebit import OneBit
+from jaxpar.collectives.reducer import GradientReducer
+from jaxpar.config import ConfigError
+
+
+class OneBitAdamState(NamedTuple):
+    count: jax.Array
+    mu: Any
+    nu: Any
+    clip: jax.Array  # the last warm-up step's clipping factor, frozen with nu
+
+
+def onebit_adam(cfg, total_steps: int, axes_tree) -> optax.GradientTransformation:
+    """The optimizer half: Adam until count == warm-up, then mu comes in reduced and nu is frozen."""
+    from jaxpar.train.optimizer import decay_mask, schedule
+    lr = schedule(cfg, total_steps)
+    mask = decay_mask(axes_tree)
+    warmup, b1, b2, eps, wd = cfg.onebit_warmup_steps, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay
+
+    def init(params):
+        zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return OneBitAdamState(jnp.zeros([], jnp.int32), zeros(), zeros(), jnp.ones([], jnp.float32))
+
+    def update(x, state, params=None):
+        count = state.count
+        warm = count < warmup
+        x = jax.tree.map(lambda a: a.astype(jnp.float32), x)
+        # warm-up: x is the gradient; after it, x = b1 m + (1 - b1) g~ (the reduced momentum), so
+        # g~, the gradient the devices jointly sent, is recovered; it is scaled by the clipping
+        # factor of the last warm-up step (frozen with nu, which was built from clipped gradients)
+        g = jax.tree.map(lambda a, m: jnp.where(warm, a, (a - b1 * m) / (1 - b1)), x, state.mu)
+        clip = state.clip
+        if cfg.clip_norm is not None:
+            norm = optax.tree.norm(g) if hasattr(optax, "tree") else optax.global_norm(g)
+            clip = jnp.where(warm, jnp.minimum(1.0, cfg.clip_norm / jnp.maximum(norm, 1e-12)), clip)
+            g = jax.tree.map(lambda a: a * clip, g)
+        mu = jax.tree.map(lambda m, a: b1 * m + (1 - b1) * a, state.mu, g)
+        nu = jax.tree.map(lambda v, a: jnp.where(warm, b2 * v + (1 - b2) * a * a, v), state.nu, g)
+        t = count + 1
+        bc1 = 1 - b1 ** t.astype(jnp.float32)
+        bc2 = 1 - b2 ** jnp.minimum(t, max(warmup, 1)).astype(jnp.float32)
+        step = lr(count)
+
+        def upd(m, v, p, decay):
+            u = (m / bc1) / (jnp.sqrt(v / bc2) + eps)
+            if decay:
+                u = u + wd * p.astype(jnp.float32)
+            return (-step * u).astype(p.dtype)
+
+        updates = jax.tree.map(upd, mu, nu, params, mask)
+        return updates, OneBitAdamState(t, mu, nu, clip)
+
+    return optax.GradientTransformation(init, update)
+
+
+class OneBitAdamReducer(GradientReducer):
+    """The gradient reduction of 1-bit Adam (see module doc); residuals in state["comm"]."""
+
+    def __init__(self, opt_cfg, compression, plan, model, grad_specs):
+        shape = plan.mesh.shape
+        if plan.zero_stage >= 2 or (plan.zero_stage == 1 and shape.get("fsdp", 1) > 1):
+            raise ConfigError(
+                f"optimizer.name=onebit_adam keeps its momentum laid out like the gradients: use "
+                f"sharding.zero_stage 0 (or 1 with mesh.fsdp=1), not zero_stage={plan.zero_stage} with "
+                f"fsdp={shape.get('fsdp', 1)}")
+        if compression.method not in ("none", "onebit"):
+            raise ConfigError(
+                f"optimizer.name=onebit_adam compresses the momentum itself (1-bit); drop "
+                f"gradient_compression.method={compression.method!r}")
+        comp = OneBit(block_size=compression.block_size)
+        super().__init__(compression, plan, model, grad_specs, compressor=comp)
+        self.warmup, self.b1 = opt_cfg.onebit_warmup_steps, opt_cfg.b1
+
+    def extra_inputs(self, state) -> dict:
+        opt = state["opt_state"]
+        return {"mu": opt.mu, "count": opt.count}
+
+    def extra_specs(self, grad_out) -> dict:
+        return {"mu": grad_out, "count": P()}
+
+    def reduce(self, grads, comm, extra=None):
+        leaves = self.treedef.flatten_up_to(grads)
+        mus = self.treedef.flatten_up_to(extra["mu"])
+        sizes = self.plan.mesh.shape
+        n_of = {}
+        for b in self.buckets:
+            for i in b.leaves:
+                n_of[i] = 1
+                for a in b.rest:
+                    n_of[i] *= sizes[a]
+
+        def compressed(comm):
+            # sum over devices of (b1 m / n + (1 - b1) g_local) = b1 m + (1 - b1) g
+            local = [self.b1 * m / n_of.get(i, 1) + (1 - self.b1) * g.astype(jnp.float32)
+                     if i in n_of else g.astype(jnp.float32) for i, (g, m) in enumerate(zip(leaves, mus))]
+            return self._compressed(jax.tree.unflatten(self.treedef, local), comm)
+
+        def warm(comm):
+            out = list(leaves)
+            for b in self.buckets:
+                for i in b.leaves:
+                    out[i] = jax.lax.psum(leaves[i], b.rest)
+            out = [o.astype(jnp.float32) for o in out]
+            return jax.tree.unflatten(self.treedef, out), comm
+
+        if self.warmup == 0:
+            return compressed(comm)
+        return jax.lax.cond(extra["count"] >= self.warmup, compressed, warm, comm)

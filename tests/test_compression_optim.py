@@ -1,0 +1,99 @@
+"""1-bit Adam and local SGD (8 forced CPU devices, data-parallel tiny model)."""
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import ConfigError
+from jaxpar.metrics import collective_ops
+from jaxpar.train.trainer import Trainer
+from tests.conftest import tiny_config
+
+DP = ["mesh.data=8", "sharding.zero_stage=0", "train.steps=5", "optimizer.lr=3e-3"]
+WARMUP = 2
+
+
+def train(overrides, devices, steps=None):
+    t = Trainer(tiny_config(*DP, *overrides), devices=devices, log=lambda s: None)
+    t.compile()
+    state, hist = t.fit(progress=False)
+    return t, state, [h["loss"] for h in hist]
+
+
+@pytest.fixture(scope="module")
+def adamw(devices):
+    return train([], devices)
+
+
+@pytest.fixture(scope="module")
+def onebit_adam(devices):
+    return train(["optimizer.name=onebit_adam", f"optimizer.onebit_warmup_steps={WARMUP}"], devices)
+
+
+def test_onebit_adam_is_adam_during_warmup_then_trains(adamw, onebit_adam):
+    _, _, ref = adamw
+    t, state, losses = onebit_adam
+    # losses 1..WARMUP+1 are computed by params that only exact Adam steps touched
+    np.testing.assert_allclose(losses[:WARMUP + 1], ref[:WARMUP + 1], rtol=1e-6)
+    assert losses[-1] < losses[0] - 0.1, losses
+    assert abs(losses[-1] / ref[-1] - 1) < 0.05, (losses, ref)
+    assert int(state["opt_state"].count) == len(losses)
+
+
+def test_onebit_adam_freezes_variance_and_sends_packed_signs(onebit_adam):
+    t, final, _ = onebit_adam
+    steps = t.cfg.train.steps
+    t.cfg.train.steps = WARMUP
+    warm, _ = t.fit(progress=False)
+    t.cfg.train.steps = steps
+    for a, b in zip(jax.tree.leaves(warm["opt_state"].nu), jax.tree.leaves(final["opt_state"].nu)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kinds = {(o.kind, o.dtype) for o in collective_ops(t.compiled.as_text())}
+    assert {("all-to-all", "u8"), ("all-gather", "u8"), ("all-reduce", "f32")} <= kinds, kinds
+    assert any(float(np.abs(np.asarray(x)).max()) > 0 for x in jax.tree.leaves(final["comm"]))
+
+
+def test_onebit_adam_needs_gradient_layout(devices):
+    with pytest.raises(ConfigError, match="onebit_adam keeps its momentum laid out like the gradients"):
+        Trainer(tiny_config("mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=1", "optimizer.name=onebit_adam"),
+                devices=devices)
+
+
+# --------------------------------------------------------------------------- local SGD
+
+@pytest.fixture(scope="module")
+def local_sgd(devices):
+    return train(["local_sgd.sync_every=2", "train.steps=3"], devices)
+
+
+def replica_spread(state):
+    return max(float(np.abs(np.asarray(x) - np.asarray(x)[:1]).max()) for x in jax.tree.leaves(state["local"]["params"]))
+
+
+def test_local_sgd_replicas_step_alone_then_average(local_sgd):
+    t, state, losses = local_sgd
+    assert losses[-1] < losses[0] - 0.05, losses
+    leaf = jax.tree.leaves(state["local"]["params"])[0]
+    assert leaf.shape[0] == 8 and leaf.sharding.spec[0] == "data"
+    assert replica_spread(state) > 0  # step 3: one step since the last sync, replicas differ
+    steps = t.cfg.train.steps
+    t.cfg.train.steps = 2
+    synced, _ = t.fit(progress=False)
+    t.cfg.train.steps = steps
+    assert replica_spread(synced) == 0  # step 2 synced: every replica restarts from the average
+    for p, r in zip(jax.tree.leaves(synced["params"]), jax.tree.leaves(synced["local"]["params"])):
+        np.testing.assert_array_equal(np.asarray(r)[0], np.asarray(p))
+
+
+def test_local_sgd_moves_no_gradients(local_sgd):
+    """The only large collective is the parameter all-reduce of the sync (in a conditional)."""
+    t, _, _ = local_sgd
+    big = [o for o in collective_ops(t.compiled.as_text(), count_loops=True) if o.bytes > 1024]
+    assert sum(o.bytes for o in big) <= 4 * t.model.n_params * 1.01, big
+    assert {o.kind for o in big} == {"all-reduce"}
+
+
+def test_local_sgd_config_errors(devices):
+    with pytest.raises(ConfigError, match="local_sgd syncs parameters, not gradients"):
+        Trainer(tiny_config(*DP, "local_sgd.sync_every=2", "gradient_compression.method=int8"), devices=devices)
+    with pytest.raises(ConfigError, match="mesh.data > 1"):
+        Trainer(tiny_config("mesh.data=1", "mesh.fsdp=8", "local_sgd.sync_every=2"), devices=devices)
