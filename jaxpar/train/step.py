@@ -154,7 +154,9 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         else:
             losses, grads, aux = run_pipeline(params, mbs, n_tokens)
         grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm, extra=extra)
-        busy = tuple(a for a in manual if plan.mesh.shape[a] > 1)
+        # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order
+        # of the psum's axes changes the rounding of the loss between processes
+        busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
         total = lambda x: jax.lax.psum(x, busy) if busy else x
         return (total(losses.sum()), jax.tree.map(lambda a: total(a.sum(0)), aux)), grads, comm
 
