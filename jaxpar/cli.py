@@ -1,5 +1,5 @@
 """`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`, `jaxpar plot RUN_DIR...`,
-`jaxpar profile [RUN_DIR]`.
+`jaxpar profile [RUN_DIR]`, `jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
 
 User mistakes (bad config, bad checkpoint) print one clear message and exit 2, never a traceback.
 """
@@ -15,9 +15,32 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from jaxpar.xla import apply_xla_flags
     apply_xla_flags(cfg.xla)
+    from jaxpar.distributed import initialize  # before any other JAX call
+    multi = initialize(cfg.distributed, log=print) is not None
     from jaxpar.train.trainer import run
+    if multi:
+        import jax
+        if jax.process_index() != 0:  # one copy of the run's messages (warnings and errors: all)
+            run(cfg, log=lambda msg: None)
+            return 0
     run(cfg)
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from jaxpar.launch import LaunchOptions, launch
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("jaxpar launch: give the command after --, e.g. "
+                          "jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG")
+    if args.nprocs < 1 or args.devices_per_proc < 1:
+        raise ConfigError("jaxpar launch: --nprocs and --devices-per-proc must be >= 1")
+    if args.min_nprocs is not None and not 1 <= args.min_nprocs <= args.nprocs:
+        raise ConfigError(f"jaxpar launch: --min-nprocs must be in 1..{args.nprocs}")
+    return launch(LaunchOptions(args.nprocs, args.devices_per_proc, command, max_restarts=args.max_restarts,
+                                min_nprocs=args.min_nprocs, kill_timeout=args.kill_timeout, grace=args.grace))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -86,6 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true",
                      help="also load every complete step and compare its checksums")
     ins.set_defaults(fn=_checkpoint)
+    la = sub.add_parser("launch", help="N local processes x K CPU devices on jax.distributed "
+                        "(jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG ...)")
+    la.add_argument("--nprocs", type=int, required=True, help="processes to start")
+    la.add_argument("--devices-per-proc", type=int, default=1, help="CPU devices of each process")
+    la.add_argument("--max-restarts", type=int, default=0,
+                    help="restart the group this many times after a failure (it resumes from its checkpoint)")
+    la.add_argument("--min-nprocs", type=int, default=None,
+                    help="elastic: a rank failing twice in a row is left out, down to this many processes")
+    la.add_argument("--kill-timeout", type=float, default=10.0,
+                    help="seconds between SIGTERM and SIGKILL for the others after one fails")
+    la.add_argument("--grace", type=float, default=180.0,
+                    help="seconds the processes get to save and exit after a forwarded SIGTERM/SIGINT")
+    la.add_argument("command", nargs=argparse.REMAINDER,
+                    help="after --: a jaxpar command (train CONFIG ...) or a program (python script.py)")
+    la.set_defaults(fn=_launch)
     return p
 
 

@@ -411,6 +411,47 @@ class ProfileConfig(Strict):
         return v
 
 
+class DistributedConfig(Strict):
+    """Several processes (hosts) on jax.distributed, initialised before any other JAX call.
+
+    `enabled`: null (auto) initialises when the settings below, the `JAXPAR_COORDINATOR_ADDRESS`
+    / `JAXPAR_NUM_PROCESSES` / `JAXPAR_PROCESS_ID` environment (set by `jaxpar launch` and the
+    deploy/ templates) or a SLURM step / Open MPI job say there is more than one process; true
+    requires it (an error when nothing says how); false never initialises. Settings given here
+    win over the environment. `cluster_detection` forces one of jax's detectors (slurm, ompi,
+    mpi4py, k8s). `local_device_ids` restricts the devices a process uses (null: all it sees).
+    A wrong setting fails within `initialization_timeout_s` with a message, never hangs."""
+
+    enabled: bool | None = None
+    coordinator_address: str | None = Field(None, description="host:port of process 0")
+    num_processes: int | None = Field(None, gt=0)
+    process_id: int | None = Field(None, ge=0)
+    cluster_detection: Literal["slurm", "ompi", "mpi4py", "k8s"] | None = None
+    local_device_ids: list[int] | None = None
+    coordinator_bind_address: str | None = Field(None, description="host:port process 0 listens "
+                                                 "on (default: every interface, the address's port)")
+    initialization_timeout_s: int = Field(300, gt=0)
+    heartbeat_timeout_s: int = Field(100, gt=0)
+    shutdown_timeout_s: int = Field(300, gt=0)
+    cpu_collectives: Literal["gloo", "mpi"] = "gloo"
+
+    @field_validator("coordinator_address", "coordinator_bind_address")
+    @classmethod
+    def _host_port(cls, v: str | None) -> str | None:
+        if v is not None:
+            host, sep, port = v.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{v!r} must be host:port (e.g. 10.0.0.1:1234), the port in 1..65535")
+        return v
+
+    @model_validator(mode="after")
+    def _id_in_range(self) -> "DistributedConfig":
+        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+            raise ValueError(f"process_id={self.process_id} is not in 0..{self.num_processes - 1} "
+                             f"(num_processes={self.num_processes})")
+        return self
+
+
 class Config(Strict):
     name: str = "run"
     run_dir: str = "runs"
@@ -428,6 +469,7 @@ class Config(Strict):
     xla: XlaConfig = Field(default_factory=XlaConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @property
     def out_dir(self) -> Path:

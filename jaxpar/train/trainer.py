@@ -78,6 +78,8 @@ class Trainer:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
+        from jaxpar.distributed import initialize
+        initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
         self.mesh = build_mesh(cfg.mesh, self.devices)
         self.plan = Plan(self.mesh, cfg.sharding.resolved_rules(), cfg.sharding.zero_stage,
                          cfg.sharding.replicated_tolerance)
@@ -288,6 +290,8 @@ class Trainer:
         bar = Progress(t.steps, start_step, enabled=show and jax.process_index() == 0)
         tokens_per_step = t.global_batch * t.seq_len
         step_fn = self.compiled or self.compile()
+        from jaxpar.distributed import barrier
+        barrier("fit start")  # processes start their collectives together
         history: list[dict] = []
         last, last_step = time.perf_counter(), start_step
         done = start_step  # steps completed
@@ -404,6 +408,8 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     """What `jaxpar train` does: plan the resume (adapting the layout to the device count), print
     the resolved config, save it, compile, restore, train; save on SIGTERM/SIGINT and return."""
     from jaxpar.checkpoint import ResumePlan, plan_resume
+    from jaxpar.distributed import initialize
+    initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
     plan = plan_resume(cfg) if cfg.checkpoint.enabled else ResumePlan(cfg)
     cfg = plan.cfg
     for change in plan.changes:

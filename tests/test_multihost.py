@@ -1,0 +1,268 @@
+"""Multi-host pieces that need no training: where jax.distributed settings come from, clear
+errors (never a hang) for wrong ones, the local launcher's process handling (with small Python
+children), and the deploy/ templates. The training runs are in test_multihost_train.py."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxpar.config import ConfigError, DistributedConfig, make_config
+from jaxpar.distributed import DistributedError, initialize, resolve
+from jaxpar.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+ADDR = "10.0.0.1:1234"
+
+
+# ---------------------------------------------------------------- settings
+
+
+def test_settings_from_config_env_and_cluster():
+    env = {"JAXPAR_COORDINATOR_ADDRESS": "127.0.0.1:999", "JAXPAR_NUM_PROCESSES": "4", "JAXPAR_PROCESS_ID": "3"}
+    s = resolve(DistributedConfig(), env)
+    assert (s.coordinator_address, s.num_processes, s.process_id, s.method) == ("127.0.0.1:999", 4, 3, "explicit")
+    assert "JAXPAR_PROCESS_ID" in s.source
+    # the config wins over the environment, field by field
+    s = resolve(DistributedConfig(coordinator_address=ADDR, process_id=1), env)
+    assert (s.coordinator_address, s.num_processes, s.process_id) == (ADDR, 4, 1)
+    assert "distributed.coordinator_address/process_id" in s.source
+    # nothing: one process, nothing to start; a count of 1 is one process too
+    assert resolve(DistributedConfig(), {}) is None
+    assert resolve(DistributedConfig(), {**env, "JAXPAR_NUM_PROCESSES": "1", "JAXPAR_PROCESS_ID": "0"}) is None
+    assert resolve(DistributedConfig(enabled=False), env) is None
+    # a SLURM step with several tasks, an Open MPI job: jax's detectors fill the rest
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[01-04]", "SLURM_NTASKS": "4",
+             "SLURM_PROCID": "2", "SLURM_LOCALID": "0"}
+    assert resolve(DistributedConfig(), slurm).method == "slurm"
+    assert resolve(DistributedConfig(), {**slurm, "SLURM_NTASKS": "1"}) is None
+    assert resolve(DistributedConfig(), {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_VERSION": "4.1"}).method == "ompi"
+    assert resolve(DistributedConfig(cluster_detection="k8s"), {}).method == "k8s"
+    # dotted overrides reach the section
+    cfg = make_config({}, ["distributed.coordinator_address=h:1", "distributed.num_processes=2",
+                           "distributed.process_id=0", "distributed.initialization_timeout_s=5"])
+    assert resolve(cfg.distributed, {}).timeout_s == 5
+
+
+@pytest.mark.parametrize("cfg, env, message", [
+    ({}, {"JAXPAR_COORDINATOR_ADDRESS": ADDR, "JAXPAR_NUM_PROCESSES": "2"},
+     "not distributed.process_id (or JAXPAR_PROCESS_ID)"),
+    ({"num_processes": 2, "process_id": 1}, {}, "not distributed.coordinator_address"),
+    ({}, {"JAXPAR_COORDINATOR_ADDRESS": ADDR, "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "2"},
+     "process id 2 is not in 0..1"),
+    ({}, {"JAXPAR_COORDINATOR_ADDRESS": "10.0.0.1", "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "0"},
+     "must be host:port"),
+    ({}, {"JAXPAR_NUM_PROCESSES": "two"}, "JAXPAR_NUM_PROCESSES='two' is not an integer"),
+    ({"enabled": True}, {}, "nothing says how to reach the other processes"),
+])
+def test_wrong_settings_name_the_setting(cfg, env, message):
+    with pytest.raises(DistributedError, match=re.escape(message)):
+        resolve(DistributedConfig(**cfg), env)
+
+
+def test_config_section_checks():
+    with pytest.raises(ConfigError, match="must be host:port"):
+        make_config({}, ["distributed.coordinator_address=nohost"])
+    with pytest.raises(ConfigError, match=r"process_id=3 is not in 0..1"):
+        make_config({}, ["distributed.num_processes=2", "distributed.process_id=3"])
+    with pytest.raises(ConfigError, match="did you mean 'num_processes'"):
+        make_config({}, ["distributed.num_process=2"])
+
+
+def test_initialize_after_jax_started_is_a_clear_error(devices):
+    """The test process already runs a backend: initialize refuses (and starts nothing)."""
+    cfg = DistributedConfig(coordinator_address=f"127.0.0.1:{free_port()}", num_processes=2, process_id=1)
+    with pytest.raises(DistributedError, match="must start before any other JAX call"):
+        initialize(cfg)
+    assert initialize(DistributedConfig()) is None  # a single process: nothing to do
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
+    env.update(extra)
+    return env
+
+
+INIT = ("import sys; from jaxpar.distributed import initialize; from jaxpar.config import make_config; "
+        "initialize(make_config({}, sys.argv[1:]).distributed); import jax; print('devices', jax.device_count())")
+
+
+@pytest.mark.parametrize("who, expect", [
+    ("unreachable", "no answer on 127.0.0.1:"),      # process 1, nobody listens at the coordinator address
+    ("missing", "answers, but not all 2 processes joined"),  # process 0 alone: the other never comes
+])
+def test_wrong_coordinator_fails_fast_with_a_message(who, expect):
+    port = free_port()
+    pid = 1 if who == "unreachable" else 0
+    args = [f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+            f"distributed.process_id={pid}", f"distributed.coordinator_bind_address=127.0.0.1:{port}",
+            "distributed.initialization_timeout_s=4"]
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", INIT, *args], env=_env(), capture_output=True, text=True,
+                       timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "jaxpar: error: jax.distributed did not start within 4s" in r.stderr, r.stderr
+    assert expect in r.stderr and f"process {pid} of 2" in r.stderr, r.stderr
+    assert "Check failure" not in r.stderr and "devices" not in r.stdout
+    assert took < 60, took
+
+
+def test_coordinator_port_in_use_is_a_clear_error():
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = [f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
+                "distributed.process_id=0", f"distributed.coordinator_bind_address=127.0.0.1:{port}"]
+        r = subprocess.run([sys.executable, "-c", INIT, *args], env=_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert r.returncode != 0 and "the port is in use" in r.stderr and "Check failure" not in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- the launcher (small children)
+
+CHILD = textwrap.dedent("""\
+    import os, signal, sys, time
+    rank, attempt = int(os.environ["JAXPAR_PROCESS_ID"]), int(os.environ["JAXPAR_RESTART_COUNT"])
+    n = os.environ["JAXPAR_NUM_PROCESSES"]
+    mode = sys.argv[1]
+    print(f"hello from {rank}/{n} attempt {attempt} at {os.environ['JAXPAR_COORDINATOR_ADDRESS']} "
+          f"{os.environ['XLA_FLAGS']}", flush=True)
+    if mode == "ok":
+        print(f"hash seed {os.environ.get('PYTHONHASHSEED')}", flush=True)
+        sys.exit(0)
+    if mode == "term":  # save-and-exit on SIGTERM, like jaxpar train
+        signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), sys.exit(0)))
+        print("ready", flush=True)
+        time.sleep(120)
+        sys.exit(1)
+    if mode == "fail1":  # rank 1 fails, the others would run forever and ignore SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if rank == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+    if mode == "config":  # a configuration error (exit 2): restarting would repeat it
+        sys.exit(2 if rank == 0 else 0)
+    if mode == "flaky":  # rank 1 dies in attempt 0 and cannot come back; fewer processes finish
+        if rank == 1:
+            sys.exit(3)
+        if attempt < 2:
+            time.sleep(120)
+        print(f"finished on {n}", flush=True)
+        sys.exit(0)
+""")
+
+
+def _launch(tmp_path, mode, *opts, nprocs=2, timeout=60, wait=True):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nprocs", str(nprocs), "--devices-per-proc", "3",
+           *opts, "--", "python", str(script), mode]
+    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if not wait:
+        return p
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out
+
+
+def test_launch_prefixes_ranks_and_sets_the_environment(tmp_path):
+    rc, out = _launch(tmp_path, "ok", nprocs=3)
+    assert rc == 0, out
+    for r in range(3):
+        line = next(x for x in out.splitlines() if x.startswith(f"[{r}] hello"))
+        assert f"hello from {r}/3 attempt 0 at 127.0.0.1:" in line, out
+        assert line.endswith("--xla_force_host_platform_device_count=3"), line  # replaces the caller's 2
+    assert "[launch] all 3 processes finished" in out
+    seeds = set(re.findall(r"^\[\d\] hash seed (\S+)$", out, re.M))
+    assert len(seeds) == 1 and seeds != {"None"}, out  # one seed: every process traces the same program
+
+
+def test_launch_ends_the_others_when_one_dies(tmp_path):
+    t0 = time.monotonic()
+    rc, out = _launch(tmp_path, "fail1", "--kill-timeout", "2")
+    assert time.monotonic() - t0 < 60
+    assert rc == 128 + signal.SIGKILL, out
+    assert "[launch] rank 1 failed (killed by SIGKILL); stopping ranks 0" in out, out
+    assert "rank 0 killed by SIGKILL" in out  # it ignored SIGTERM: killed after --kill-timeout
+
+
+def test_launch_forwards_sigterm_and_sigint(tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        p = _launch(tmp_path, "term", wait=False)
+        lines = []
+        while sum("ready" in x for x in lines) < 2:
+            lines.append(p.stdout.readline())
+            assert lines[-1], "".join(lines)
+        p.send_signal(sig)
+        out = "".join(lines) + p.communicate(timeout=60)[0]
+        assert p.returncode == 0, out
+        assert f"[launch] {signal.Signals(sig).name}: forwarding SIGTERM" in out
+        assert "[0] got SIGTERM" in out and "[1] got SIGTERM" in out, out
+
+
+def test_launch_restarts_and_shrinks_when_a_rank_cannot_come_back(tmp_path):
+    rc, out = _launch(tmp_path, "flaky", "--max-restarts", "2", "--min-nprocs", "1", "--kill-timeout", "2",
+                      timeout=90)
+    assert rc == 0, out
+    assert "restart 1 of 2" in out and "rank 1 failed twice in a row: it cannot come back" in out, out
+    assert "[0] hello from 0/1 attempt 2" in out and "[0] finished on 1" in out
+    # without restarts the launcher exits with the failing rank's code
+    rc, out = _launch(tmp_path, "flaky", "--kill-timeout", "2")
+    assert rc == 3 and "no --max-restarts" in out, out
+    rc, out = _launch(tmp_path, "config", "--max-restarts", "2")
+    assert rc == 2 and "a configuration error" in out and "attempt 1" not in out, out
+
+
+# ---------------------------------------------------------------- deploy templates
+
+
+def _render(path: Path, **values) -> str:
+    sys.path.insert(0, str(ROOT / "deploy"))
+    try:
+        from render import render
+    finally:
+        sys.path.pop(0)
+    return render(path.read_text(), values)
+
+
+def test_templates_render_and_parse(tmp_path):
+    job = _render(ROOT / "deploy" / "k8s" / "jobset.yaml", NAME="llm", IMAGE="ghcr.io/me/jaxpar:1",
+                  NODES="4", GPUS_PER_NODE="8", CONFIG="configs/llama_1b.yaml", PVC="ckpt")
+    docs = [d for d in yaml.safe_load_all(job) if d]
+    js = next(d for d in docs if d["kind"] == "JobSet")
+    assert js["apiVersion"].startswith("jobset.x-k8s.io/")
+    rj = js["spec"]["replicatedJobs"][0]
+    spec = rj["template"]["spec"]
+    assert spec["parallelism"] == spec["completions"] == 4 and spec["completionMode"] == "Indexed"
+    c = spec["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["JAXPAR_NUM_PROCESSES"]["value"] == "4"
+    assert env["JAXPAR_COORDINATOR_ADDRESS"]["value"].startswith(f"llm-{rj['name']}-0-0.llm:")
+    assert "job-completion-index" in env["JAXPAR_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert c["command"][:3] == ["jaxpar", "train", "configs/llama_1b.yaml"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert not re.search(r"\{\{\s*[A-Z]", job)
+
+    script = _render(ROOT / "deploy" / "slurm" / "jaxpar.sbatch", JOB_NAME="llm", NODES="2", GPUS_PER_NODE="8",
+                     CONFIG="configs/llama_1b.yaml", WORKDIR="/home/me/jaxpar")
+    assert not re.search(r"\{\{\s*[A-Z]", script)
+    sb = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
+    assert sb["nodes"] == "2" and sb["ntasks-per-node"] == "1" and sb["gpus-per-node"] == "8", sb
+    assert re.search(r"^srun .*jaxpar train configs/llama_1b.yaml", script, re.M), script
+    f = tmp_path / "job.sbatch"
+    f.write_text(script)
+    r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    with pytest.raises(KeyError, match="NODES"):
+        _render(ROOT / "deploy" / "slurm" / "jaxpar.sbatch", JOB_NAME="x")

@@ -1,0 +1,195 @@
+"""Training on several processes: `jaxpar launch` runs 2 processes x 4 CPU devices on
+jax.distributed (gloo collectives). They reach the losses of 1 process x 8 devices, each reads
+only its own rows, their checkpoint restores in 1 process on 8 devices, and a process killed
+mid-run ends the group and, with restarts, the run resumes from its checkpoint (on fewer
+processes when one keeps failing).
+
+The runs allow one restart more than they need: XLA gives a new gloo communicator 30 s to form
+(not configurable), and on a heavily loaded 2-core machine the processes' first collectives can
+drift further apart than that; the launcher then restarts the group, which is what it is for.
+
+The processes run this file as a driver (`python tests/test_multihost_train.py SPEC`): it counts
+the batch rows each process computes and kills itself at a given step, then runs the real
+`jaxpar train` CLI. The 1-process reference runs in the test process."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxpar.config import make_config
+from jaxpar.train.trainer import Trainer
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost_train")]
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+CONFIG = f"""\
+name: mh
+model: {{preset: tiny, n_layers: 2}}
+mesh: {{data: 2, fsdp: 2, tensor: 2}}
+sharding: {{zero_stage: 1}}
+train: {{steps: {STEPS}, global_batch: 16, seq_len: 32, compute_dtype: float32, progress: false}}
+optimizer: {{warmup_steps: 1, decay_steps: {STEPS}}}
+data: {{source: synthetic}}
+checkpoint: {{every: 3, keep_last: 3}}
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("multihost")
+    (d / "mh.yaml").write_text(CONFIG)
+    return d
+
+
+def _cfg(work: Path, run_dir: Path, *overrides: str):
+    import yaml
+    return make_config(yaml.safe_load(CONFIG), [f"run_dir={run_dir}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def reference(work, devices):
+    """1 process x 8 devices, uninterrupted, no checkpoints: {step: loss}."""
+    _, history = Trainer(_cfg(work, work / "ref", "checkpoint.enabled=false")).fit(progress=False)
+    return {h["step"]: h["loss"] for h in history}
+
+
+def launch(work: Path, run_dir: Path, *opts: str, spec: dict | None = None, overrides=(), timeout=420):
+    """`jaxpar launch --nprocs 2 --devices-per-proc 4 [opts] -- python <driver> SPEC`; returns
+    (rc, [(seconds since start, line)])."""
+    spec = {"argv": ["train", str(work / "mh.yaml"), f"run_dir={run_dir}", *overrides], **(spec or {})}
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+    cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nprocs", "2", "--devices-per-proc", "4", *opts,
+           "--", "python", __file__, json.dumps(spec)]
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work)
+    lines = []
+    for line in p.stdout:
+        lines.append((time.monotonic() - t0, line.rstrip("\n")))
+        assert time.monotonic() - t0 < timeout, "\n".join(x for _, x in lines)
+    p.wait(timeout=60)
+    return p.returncode, lines
+
+
+def text(lines) -> str:
+    return "\n".join(x for _, x in lines)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs = [json.loads(x) for x in (run_dir / "mh" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in recs]
+    assert steps == sorted(set(steps)), f"metrics.jsonl steps not one clean sequence: {steps}"
+    return {r["step"]: r["loss"] for r in recs}
+
+
+def close(got: dict[int, float], ref: dict[int, float], steps) -> None:
+    for s in steps:
+        assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (s, got[s], ref[s])
+
+
+def test_two_processes_match_one_and_their_checkpoint_restores_on_one(work, reference, devices):
+    run = work / "two"
+    rc, lines = launch(work, run, "--max-restarts", "1", overrides=["train.steps=6"])
+    out = text(lines)
+    assert rc == 0, out
+    assert "[0] jax.distributed: process 0 of 2, 4 local devices of 8" in out, out
+    assert "[1] jax.distributed: process 1 of 2, 4 local devices of 8" in out
+    assert "[launch] all 2 processes finished" in out
+    # per-host data: each process computed only the rows of its data-parallel half of the batch
+    rows = {int(r): json.loads(v) for r, v in re.findall(r"^\[(\d)\] rows read per step: (.*)$", out, re.M)}
+    assert rows == {0: list(range(0, 8)), 1: list(range(8, 16))}, out
+    # metrics and the banner from process 0 only
+    assert "[0] done: 6 logged steps" in out and "[1] done:" not in out and "[1] resolved config" not in out
+    got = losses(run)
+    assert sorted(got) == list(range(1, 7))
+    close(got, reference, range(1, 7))
+
+    from jaxpar.checkpoint import read_meta
+    meta = read_meta(run / "mh" / "checkpoints" / "6")
+    assert meta["processes"] == 2 and meta["devices"] == 8
+    # the checkpoint written by 2 processes restores in this process, on 8 devices
+    trainer = Trainer(_cfg(work, run))
+    _, history = trainer.fit(out_dir=run / "mh", progress=False)
+    assert [h["step"] for h in history] == [7, 8]
+    close(losses(run), reference, range(1, STEPS + 1))
+
+
+def test_sigkill_ends_the_group_restart_resumes_then_on_fewer_processes(work, reference):
+    """Rank 1 is SIGKILLed at step 5: the launcher ends rank 0 and restarts the group, which
+    resumes from step 3 on 2 processes. Killed again at step 7, rank 1 counts as unable to come
+    back: the group restarts on 1 process x 4 devices, which resumes the 8-device checkpoint of
+    step 6 (mesh and grad_accum adapted) and finishes."""
+    run = work / "killed"
+    spec = {"kill": {"rank": 1, "steps": {"5": str(work / "kill5"), "7": str(work / "kill7")}}}
+    rc, lines = launch(work, run, "--max-restarts", "3", "--min-nprocs", "1", spec=spec)
+    out = text(lines)
+    assert rc == 0, out
+    i, killed = next((i, t) for i, (t, x) in enumerate(lines) if "[1] killing myself at step 5" in x)
+    ended = next(t for t, x in lines[i:] if re.match(r"\[launch\] attempt \d ended", x))
+    assert "[launch] rank 1 failed (killed by SIGKILL); stopping ranks 0" in out, out
+    assert ended - killed < 60, (killed, ended)  # the other process ended, the attempt over
+    assert "[launch] restart 1 of 3" in out
+    assert re.search(r"^\[0\]\s+resumed from\b.*checkpoints/3 \(step 3", out, re.M), out
+    assert "[1] killing myself at step 7" in out
+    assert "rank 1 failed twice in a row: it cannot come back; restarting on 1 processes" in out, out
+    assert "[0] elastic resume: mesh" in out and "train.grad_accum 1 -> 2" in out, out
+    assert re.search(r"^\[0\]\s+resumed from\b.*checkpoints/6 \(step 6", out, re.M), out
+    close(losses(run), reference, range(1, STEPS + 1))
+
+
+# ---------------------------------------------------------------- the driver (each process)
+
+
+def _main(spec: dict) -> int:
+    rank = int(os.environ.get("JAXPAR_PROCESS_ID", "0"))
+    kill = spec.get("kill") or {}
+    markers = {int(k): Path(v) for k, v in kill.get("steps", {}).items()}  # kill once at each step
+    from jaxpar import observe
+    from jaxpar.cli import main
+    from jaxpar.data import loader
+    from jaxpar.train.callbacks import Callback
+
+    rows: dict[int, set] = {}
+    orig = loader.global_batch
+
+    class Counting:
+        def __init__(self, source):
+            self.source = source
+
+        def rows(self, step, idx, seq_len):
+            rows.setdefault(step, set()).update(int(i) for i in idx)
+            return self.source.rows(step, idx, seq_len)
+
+    loader.global_batch = lambda source, *a, **kw: orig(Counting(source), *a, **kw)
+
+    class Kill(Callback):
+        def on_step_end(self, trainer, step, state, metrics):
+            if kill.get("rank") == rank and step in markers and not markers[step].exists():
+                if trainer.checkpointer is not None:
+                    trainer.checkpointer.wait()  # the last save is whole before the kill
+                markers[step].touch()
+                print(f"killing myself at step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    build = observe.build_callbacks
+    observe.build_callbacks = lambda *a, **kw: build(*a, **kw) + [Kill()]
+    rc = main(spec["argv"])
+    per_step = {tuple(sorted(r)) for r in rows.values()}
+    if len(per_step) == 1:
+        print(f"rows read per step: {json.dumps(list(per_step.pop()))}", flush=True)
+    else:
+        print(f"rows read differ between steps: {sorted(per_step)}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(_main(json.loads(sys.argv[1])))
