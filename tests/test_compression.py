@@ -253,3 +253,14 @@ def test_config_errors():
         tiny_config("gradient_compression.method=onebit", "gradient_compression.block_size=100")
     with pytest.raises(ConfigError, match="unknown mesh axis 'dat'"):
         tiny_config("gradient_compression.method=int8", "gradient_compression.axes=[dat]")
+
+
+def test_sharded_layouts_compress_their_reductions(devices):
+    """ZeRO-3 over fsdp=4 x data=2: fsdp-scattered gradients are compressed over `data`, the
+    norm scales (not scattered) over data+fsdp; PowerSGD keeps state only for matrices."""
+    t = Trainer(tiny_config("mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=3", "train.steps=2",
+                            "optimizer.lr=3e-3", "gradient_compression.method=powersgd"),
+                devices=devices, log=lambda s: None)
+    assert t.spec.reducer.describe() == "data: powersgd over data; data+fsdp: powersgd over data+fsdp"
+    state, hist = t.fit(progress=False)
+    assert list(state["comm"]) == ["data"] and all(np.isfinite(h["loss"]) for h in hist)

@@ -235,7 +235,9 @@ class GradientReducer:
                     out[i] = jax.lax.psum(leaves[i], b.rest)
                 continue
             if isinstance(self.comp, PowerSGD):
-                new_comm[b.key] = self._reduce_powersgd(b, leaves, out, comm.get(b.key, {}))
+                st = self._reduce_powersgd(b, leaves, out, comm.get(b.key, {}))
+                if st:  # a bucket of norm scales only has no state
+                    new_comm[b.key] = st
                 continue
             st = comm.get(b.key, {})
             flat = jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in b.leaves])
