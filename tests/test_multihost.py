@@ -50,6 +50,19 @@ def test_settings_from_config_env_and_cluster():
     assert resolve(cfg.distributed, {}).timeout_s == 5
 
 
+def test_slurm_detection_fills_coordinator_count_and_id(monkeypatch):
+    """jax's SLURM detector, asked by jaxpar: the first node of the step, the port from
+    JAX_COORDINATOR_PORT, and all local devices kept (no one-GPU-per-process restriction)."""
+    from jaxpar.distributed import _fill_from_cluster
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "gpu[07-10]", "SLURM_NTASKS": "4",
+           "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": "12355"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = _fill_from_cluster(resolve(DistributedConfig(cluster_detection="slurm"), env))
+    assert (s.coordinator_address, s.num_processes, s.process_id) == ("gpu07:12355", 4, 2)
+    assert s.local_device_ids is None
+
+
 @pytest.mark.parametrize("cfg, env, message", [
     ({}, {"JAXPAR_COORDINATOR_ADDRESS": ADDR, "JAXPAR_NUM_PROCESSES": "2"},
      "not distributed.process_id (or JAXPAR_PROCESS_ID)"),
@@ -209,6 +222,32 @@ def test_launch_forwards_sigterm_and_sigint(tmp_path):
         assert p.returncode == 0, out
         assert f"[launch] {signal.Signals(sig).name}: forwarding SIGTERM" in out
         assert "[0] got SIGTERM" in out and "[1] got SIGTERM" in out, out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in state  # a zombie has exited
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_children_die_with_a_killed_launcher(tmp_path):
+    p = _launch(tmp_path, "term", wait=False)
+    lines, pids = [], []
+    while sum("ready" in x for x in lines) < 2:
+        lines.append(p.stdout.readline())
+        assert lines[-1], "".join(lines)
+        m = re.match(r"\[launch\] rank \d: pid (\d+)", lines[-1])
+        if m:
+            pids.append(int(m[1]))
+    p.kill()  # SIGKILL: no handler runs in the launcher
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), pids
 
 
 def test_launch_restarts_and_shrinks_when_a_rank_cannot_come_back(tmp_path):
