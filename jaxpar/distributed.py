@@ -181,16 +181,16 @@ def _check_bind(address: str) -> None:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: only a listener conflicts
-        try:
-            sock.bind(("::" if host == "::" else host, int(port)))
-        except OSError as e:
-            if e.errno in (98, 48):  # EADDRINUSE (Linux, macOS)
-                raise DistributedError(
-                    f"process 0 cannot start the coordinator on {address}: the port is in use "
-                    f"(another run?); choose another port in the coordinator address") from None
-            # e.g. an address of another machine: jax binds every interface by default, so let it try
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: only a listener conflicts
+            sock.bind((host, int(port)))
+    except OSError as e:
+        if e.errno in (98, 48):  # EADDRINUSE (Linux, macOS)
+            raise DistributedError(
+                f"process 0 cannot start the coordinator on {address}: the port is in use "
+                f"(another run?); choose another port in the coordinator address") from None
+        # anything else (no IPv6, an address of another machine): let jax try and report
 
 
 def _give_up(s: Settings, started: float) -> None:
