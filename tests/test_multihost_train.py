@@ -1,6 +1,7 @@
 """Training on several processes: `jaxpar launch` runs 2 processes x 4 CPU devices on
 jax.distributed (gloo collectives). They reach the losses of 1 process x 8 devices, each reads
-only its own rows, their checkpoint restores in 1 process on 8 devices, and a process killed
+only its own rows, a SIGTERM to the launcher stops both at one step with a checkpoint, which
+restores in 1 process on 8 devices, and a process killed
 mid-run ends the group and, with restarts, the run resumes from its checkpoint (on fewer
 processes when one keeps failing).
 
@@ -59,7 +60,8 @@ def reference(work, devices):
     return {h["step"]: h["loss"] for h in history}
 
 
-def launch(work: Path, run_dir: Path, *opts: str, spec: dict | None = None, overrides=(), timeout=420):
+def launch(work: Path, run_dir: Path, *opts: str, spec: dict | None = None, overrides=(), timeout=420,
+           on_line=None):
     """`jaxpar launch --nprocs 2 --devices-per-proc 4 [opts] -- python <driver> SPEC`; returns
     (rc, [(seconds since start, line)])."""
     spec = {"argv": ["train", str(work / "mh.yaml"), f"run_dir={run_dir}", *overrides], **(spec or {})}
@@ -75,6 +77,8 @@ def launch(work: Path, run_dir: Path, *opts: str, spec: dict | None = None, over
     lines = []
     for line in p.stdout:
         lines.append((time.monotonic() - t0, line.rstrip("\n")))
+        if on_line is not None:
+            on_line(lines[-1][1], p)
         assert time.monotonic() - t0 < timeout, "\n".join(x for _, x in lines)
     p.wait(timeout=60)
     return p.returncode, lines
@@ -97,10 +101,22 @@ def close(got: dict[int, float], ref: dict[int, float], steps) -> None:
 
 
 def test_two_processes_match_one_and_their_checkpoint_restores_on_one(work, reference, devices):
+    """2 x 4 devices train until SIGTERM reaches the launcher after step 3: both processes stop
+    at the same step and save it; this process (8 devices) resumes that checkpoint to the end."""
     run = work / "two"
-    rc, lines = launch(work, run, "--max-restarts", "1", overrides=["train.steps=6"])
+    sent = []
+
+    def sigterm_after_step_3(line, proc):
+        if not sent and line == "[0] finished step 3":
+            sent.append(proc.send_signal(signal.SIGTERM))
+
+    rc, lines = launch(work, run, "--max-restarts", "1", spec={"sleep": 0.3}, on_line=sigterm_after_step_3)
     out = text(lines)
-    assert rc == 0, out
+    assert rc == 0 and sent, out
+    assert "[launch] SIGTERM: forwarding SIGTERM to every process" in out
+    stop = int(re.search(r"^\[0\] stopped by preemption notice after step (\d+)", out, re.M)[1])
+    assert 3 <= stop < STEPS, out
+    assert "[launch] all 2 processes finished (stopped by SIGTERM)" in out
     assert "[0] jax.distributed: process 0 of 2, 4 local devices of 8" in out, out
     assert "[1] jax.distributed: process 1 of 2, 4 local devices of 8" in out
     assert "[launch] all 2 processes finished" in out
@@ -108,18 +124,18 @@ def test_two_processes_match_one_and_their_checkpoint_restores_on_one(work, refe
     rows = {int(r): json.loads(v) for r, v in re.findall(r"^\[(\d)\] rows read per step: (.*)$", out, re.M)}
     assert rows == {0: list(range(0, 8)), 1: list(range(8, 16))}, out
     # metrics and the banner from process 0 only
-    assert "[0] done: 6 logged steps" in out and "[1] done:" not in out and "[1] resolved config" not in out
+    assert f"[0] done: {stop} logged steps" in out and "[1] done:" not in out and "[1] resolved config" not in out
     got = losses(run)
-    assert sorted(got) == list(range(1, 7))
-    close(got, reference, range(1, 7))
+    assert sorted(got) == list(range(1, stop + 1))
+    close(got, reference, range(1, stop + 1))
 
     from jaxpar.checkpoint import read_meta
-    meta = read_meta(run / "mh" / "checkpoints" / "6")
+    meta = read_meta(run / "mh" / "checkpoints" / str(stop))  # saved at the step they stopped at
     assert meta["processes"] == 2 and meta["devices"] == 8
     # the checkpoint written by 2 processes restores in this process, on 8 devices
     trainer = Trainer(_cfg(work, run))
     _, history = trainer.fit(out_dir=run / "mh", progress=False)
-    assert [h["step"] for h in history] == [7, 8]
+    assert [h["step"] for h in history] == list(range(stop + 1, STEPS + 1))
     close(losses(run), reference, range(1, STEPS + 1))
 
 
@@ -173,6 +189,10 @@ def _main(spec: dict) -> int:
 
     class Kill(Callback):
         def on_step_end(self, trainer, step, state, metrics):
+            if spec.get("sleep"):
+                time.sleep(spec["sleep"])
+                if rank == 0:
+                    print(f"finished step {step}", flush=True)
             if kill.get("rank") == rank and step in markers and not markers[step].exists():
                 if trainer.checkpointer is not None:
                     trainer.checkpointer.wait()  # the last save is whole before the kill
