@@ -31,11 +31,11 @@ class Context:
     layer_params: Callable[[Any], Any] = lambda state: state  # one layer's nnx.State -> ready params
     remat: str = "none"
     never_save: tuple[str, ...] = ()  # checkpoint names the backward must recompute (ZeRO-3 gathers)
+    # Mixture-of-experts dispatch/combine (jaxpar/parallel/expert.py); None: all experts local.
+    experts: Callable[..., Any] | None = None
     # When set, scan_layers(stack, carry, fn) returns layers_hook(stack, carry, fn): the pipeline
     # uses it to cut a model into embedding / layer stages / head (see jaxpar/parallel/pipeline).
     layers_hook: Callable[[nnx.Module, Any, Callable], Any] | None = None
-    # Mixture-of-experts dispatch/combine (jaxpar/parallel/expert.py); None: all experts local.
-    experts: Callable[..., Any] | None = None
 
 
 _CTX: contextvars.ContextVar[Context] = contextvars.ContextVar("jaxpar_nn", default=Context())
@@ -138,12 +138,12 @@ def scan_stack(stack: nnx.Module, carry: Any, fn: Callable[[nnx.Module, Any], An
         return fn(layer, c), None
 
     if ctx.remat != "none" or ctx.never_save:
-        body = jax.checkpoint(body, policy=_policy(ctx.remat, ctx.never_save), prevent_cse=False)
+        body = jax.checkpoint(body, policy=remat_policy(ctx.remat, ctx.never_save), prevent_cse=False)
     carry, _ = jax.lax.scan(body, carry, state)
     return carry
 
 
-def _policy(remat: str, never_save: tuple[str, ...]):
+def remat_policy(remat: str, never_save: tuple[str, ...] = ()):
     base = REMAT_POLICIES[remat]
     if not never_save:
         return base
@@ -152,6 +152,14 @@ def _policy(remat: str, never_save: tuple[str, ...]):
         # A named value must be recomputed, and so must the gather that produced it.
         if prim.name == "all_gather" or (prim.name == "name" and params.get("name") in never_save):
             return False
+        if prim.name == "custom_vjp_call" and _gathers(params.get("call_jaxpr")):
+            return False
         return base(prim, *args, **params)
 
     return policy
+
+
+def _gathers(closed_jaxpr) -> bool:
+    """Whether a custom-vjp body all-gathers (a ZeRO-3 weight gather: never saved)."""
+    jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
+    return any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "eqns", ()))

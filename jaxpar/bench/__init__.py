@@ -45,18 +45,22 @@ def load(name: str, config_path: str | Path | None = None, overrides: Sequence[s
     return mod, build_config(config_path, mod.LAYOUT, overrides)
 
 
+def split_args(config_path: str | None, overrides: Sequence[str]) -> tuple[str | None, list[str]]:
+    """`jaxpar bench comm model.n_layers=2`: argparse takes the first override for CONFIG."""
+    overrides = list(overrides)
+    if config_path is not None and "=" in config_path and not Path(config_path).is_file():
+        return None, [config_path, *overrides]
+    return config_path, overrides
+
+
 def run_bench(name: str, config_path: str | None, overrides: Sequence[str], as_json: bool = False,
               out: Callable[[str], None] | None = None, plot: str | None = None) -> int:
     """What the CLI runs. Prints the table, or with `as_json` one JSON document, on stdout."""
-    overrides = list(overrides)
-    # `jaxpar bench comm model.n_layers=2`: argparse takes the first override for CONFIG.
-    if config_path is not None and "=" in config_path and not Path(config_path).is_file():
-        overrides.insert(0, config_path)
-        config_path = None
+    config_path, overrides = split_args(config_path, overrides)
     mod, cfg = load(name, config_path, overrides)
     from jaxpar.xla import apply_xla_flags
     apply_xla_flags(cfg.xla)
-    log = (lambda s: print(s, file=sys.stderr)) if as_json else (lambda s: None)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # progress; stdout holds only the result
     result = mod.run(cfg, log=log, **({"plot": plot} if plot else {}))  # --plot: pipeline
     result = {"benchmark": name, **result}
     out = out or print
@@ -67,4 +71,4 @@ def run_bench(name: str, config_path: str | None, overrides: Sequence[str], as_j
     return 0
 
 
-__all__ = ["BENCHMARKS", "get", "load", "run_bench"]
+__all__ = ["BENCHMARKS", "get", "load", "run_bench", "split_args"]

@@ -43,6 +43,27 @@ def _gather(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]]) -> jax.Array:
     return x
 
 
+def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype) -> jax.Array:
+    """All-gather a shard in the compute dtype (bf16 on the wire); the backward reduce-scatters
+    the gradient in the shard's own dtype (fp32 for fp32 masters: exact, and XLA's CPU backend
+    aborts on a bf16 reduce-scatter). `jaxpar.nn`'s remat policy never saves its output."""
+    @jax.custom_vjp
+    def gather(y):
+        return _gather(y.astype(dtype), dims)
+
+    def fwd(y):
+        return gather(y), None
+
+    def bwd(_, g):
+        g = g.astype(x.dtype)
+        for dim, names in reversed(dims):
+            g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+        return (g,)
+
+    gather.defvjp(fwd, bwd)
+    return gather(x)
+
+
 def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callable:
     """Returns prepare(state, stacked) -> state: cast each param to the compute dtype and, at
     ZeRO-3, all-gather its `fsdp` shards. The gathered weights are named GATHERED, which the
@@ -53,14 +74,16 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callabl
 
     def prepare_leaf(var: nnx.Variable, stacked: bool):
         x = var[...]
-        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != compute_dtype:
-            x = x.astype(compute_dtype)
+        dtype = compute_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
         axes = axes_of(var)
+        dims = []
         if gather_axes and axes is not None:
             axes = tuple(axes[1:]) if stacked else tuple(axes)
             dims = sharded_dims(plan.spec(axes, None, "param"), gather_axes)
-            if dims:
-                x = checkpoint_name(_gather(x, dims), GATHERED)
+        if dims:
+            x = checkpoint_name(gather_in(x, dims, dtype), GATHERED)
+        elif x.dtype != dtype:
+            x = x.astype(dtype)
         return var.replace(x)
 
     def prepare(state, stacked: bool):
@@ -83,24 +106,34 @@ def scatter_microbatch_grads(grads, grad_specs, plan: Plan, manual: frozenset[st
     return jax.tree.map(scatter, grads, grad_specs)
 
 
-def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[str, int]):
-    """All-reduce over the batch axes a gradient is not already sharded (scattered) over
-    (axes of size 1 move nothing and are skipped)."""
-    def reduce(g, spec):
-        done = {a for _, names in sharded_dims(spec, manual) for a in names}
+def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[str, int],
+                       out_specs=None):
+    """Reduce the accumulated gradients (laid out as `grad_specs`) to `out_specs` (default: the
+    same): reduce-scatter the dims `out_specs` shards that are still whole (ZeRO-1 hands the
+    optimizer only its shard, so it needs no more bytes than DP), then all-reduce over the batch
+    axes left (axes of size 1 move nothing and are skipped)."""
+    def reduce(g, spec, out):
+        have = {a for _, names in sharded_dims(spec, manual) for a in names}
+        for dim, names in sharded_dims(out, manual):
+            todo = tuple(a for a in names if a not in have and sizes[a] > 1)
+            if todo:
+                g = jax.lax.psum_scatter(g, todo, scatter_dimension=dim, tiled=True)
+        done = {a for _, names in sharded_dims(out, manual) for a in names}
         rest = tuple(sorted(a for a in manual if a not in done and sizes[a] > 1))
         return jax.lax.psum(g, rest) if rest else g
 
-    return jax.tree.map(reduce, grads, grad_specs)
+    return jax.tree.map(reduce, grads, grad_specs, grad_specs if out_specs is None else out_specs,
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def reduce_data_parallel(grads, grad_specs, manual: frozenset[str], sizes: dict[str, int],
-                         reducer=None, comm: dict | None = None, extra: dict | None = None):
+                         reducer=None, comm: dict | None = None, extra: dict | None = None,
+                         out_specs=None):
     """The final data-parallel reduction: (grads, comm). Without a reducer (or with
     gradient_compression.method none) the default psums above, bit for bit; with one
     (jaxpar.collectives.GradientReducer) the compressed reduction, whose error-feedback
     residuals `comm` (this device's rows of state["comm"]) come in and go out; `extra` is more
     of the state the reducer asked for (1-bit Adam: the optimizer's momentum and step)."""
     if reducer is None:
-        return reduce_final_grads(grads, grad_specs, manual, sizes), {}
+        return reduce_final_grads(grads, grad_specs, manual, sizes, out_specs), {}
     return reducer.reduce(grads, comm, extra)

@@ -120,6 +120,12 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     is_spec = lambda x: isinstance(x, P)
     param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.param_specs, is_leaf=is_spec)
     grad_out = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.grad_specs, is_leaf=is_spec)
+    # What the optimizer receives: ZeRO-1 reduce-scatters to its optimizer-state shard.
+    final_specs = spec.grad_specs
+    if spec.reducer is None and spec.local_sgd is None and plan.zero_stage == 1:
+        final_specs = jax.tree.map(lambda ax, sh: plan.spec(ax, sh.shape, "opt"), model.axes,
+                                   model.shapes, is_leaf=_is_axes)
+    final_out = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), final_specs, is_leaf=is_spec)
     run_pipeline = None
     if pipelined:  # stages over `pipeline`, microbatches run by a timetable (jaxpar/parallel/pipeline)
         from jaxpar.parallel.pipeline import make_step_pipeline, stacked_paths
@@ -128,12 +134,19 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             model, plan, pipeline, grad_accum, ctx, lambda st: _prepare_top(st, prepare, stacked_str),
             loss_sum_fn, lambda g, s: scatter_microbatch_grads(g, s, plan, manual), grad_out)
 
-    def local_loss(params, tokens, n_tokens):
-        state = model.state(params)
-        stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
-        state = _prepare_top(state, prepare, stacked)
+    stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
+
+    def forward(params, inputs):
+        state = _prepare_top(model.state(params), prepare, stacked)
         with nn.use_context(ctx), nn.collect_aux() as sown:
-            logits = model.merge(state)(tokens[:, :-1])
+            logits = model.merge(state)(inputs)
+        return logits, dict(sown)
+
+    if ctx.never_save:  # ZeRO-3: embeddings and head are gathered again for the backward too
+        forward = jax.checkpoint(forward, policy=nn.remat_policy("none", ctx.never_save))
+
+    def local_loss(params, tokens, n_tokens):
+        logits, sown = forward(params, tokens[:, :-1])
         loss = loss_sum_fn(logits, tokens[:, 1:]) / n_tokens
         return add_sown(loss, sown, 1.0 / (plan.batch_size_divisor * grad_accum))
 
@@ -153,7 +166,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
         else:
             losses, grads, aux = run_pipeline(params, mbs, n_tokens)
-        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm, extra=extra)
+        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm, extra=extra, out_specs=final_out)
         # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order
         # of the psum's axes changes the rounding of the loss between processes
         busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
@@ -166,9 +179,9 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     sharded_grads = jax.shard_map(
         replicas.wrap(local_grads) if replicas else local_grads, mesh=plan.mesh,
         in_specs=(replicas.replica_specs(param_in) if replicas else param_in, plan.batch_spec(), comm_specs, extra_specs),
-        out_specs=((P(), P()), replicas.replica_specs(grad_out) if replicas else grad_out, comm_specs), axis_names=set(manual), check_vma=False,
+        out_specs=((P(), P()), replicas.replica_specs(final_out) if replicas else final_out, comm_specs), axis_names=set(manual), check_vma=False,
     )
-    grad_shardings = jax.tree.map(plan.sharding, spec.grad_specs, is_leaf=is_spec)
+    grad_shardings = jax.tree.map(plan.sharding, final_specs, is_leaf=is_spec)
     if replicas:
         grad_shardings = replicas.replica_shardings(grad_shardings)
 
