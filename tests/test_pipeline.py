@@ -94,9 +94,7 @@ def test_config_errors(overrides, match, devices):
 FULL = [(s, p, m) for s in ("gpipe", "1f1b", "interleaved_1f1b") for p in (2, 4) for m in (p, 2 * p, 4 * p)]
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("JAXPAR_PIPELINE_FULL"),
-                    reason="the whole schedule x p x m matrix takes ~8 min on 2 shared cores; "
-                           "JAXPAR_PIPELINE_FULL=1 runs it")
+@pytest.mark.slow  # ~3.5 min of CPU for the 18 cases; always run
 @pytest.mark.parametrize("schedule,p,m", FULL)
 def test_full_matrix(schedule, p, m, devices):
     """Every schedule at pipeline 2 and 4 with microbatches p, 2p, 4p (8 layers; v = 2)."""
