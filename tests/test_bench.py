@@ -8,7 +8,8 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxpar.bench import load, run_bench, split_args  # noqa: E402
-from jaxpar.bench.comm import group_size, wire_bytes  # noqa: E402
+from jaxpar.bench.comm import wire_bytes  # noqa: E402
+from jaxpar.metrics.hlo import group_size  # noqa: E402
 from jaxpar.cli import main  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 

@@ -47,6 +47,7 @@ from jaxpar.bench.common import (describe_config, fmt_bytes, fmt_ratio, mesh_ove
 from jaxpar.config import Config
 from jaxpar.mesh import describe
 from jaxpar.metrics import COLLECTIVE_KINDS, collective_ops
+from jaxpar.metrics.hlo import group_size
 from jaxpar.sharding import ZERO_AXIS, Plan
 from jaxpar.train.step import DTYPES
 
@@ -55,27 +56,6 @@ DP_LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0"]
 STAGES = (0, 1, 2, 3)
 
 # --------------------------------------------------------------------------- wire bytes
-
-
-def group_size(replica_groups: str, n_devices: int) -> int:
-    """Devices per replica group, from the HLO attribute text.
-
-    Formats: `mesh['data'=1,'fsdp'=8] {'fsdp'}` (named axes), `[2,4]<=[8]` (iota: groups x
-    size), `{{0,1},{2,3}}` (explicit), `{}` / empty (all devices)."""
-    text = replica_groups.strip()
-    m = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
-    if m:
-        sizes = {k: int(v) for k, v in re.findall(r"'?([\w\-]+)'?\s*=\s*(\d+)", m.group(1))}
-        names = re.findall(r"'([\w\-]+)'", m.group(2)) or re.findall(r"[\w\-]+", m.group(2))
-        return math.prod(sizes[n] for n in names) if names else n_devices
-    m = re.match(r"\[([\d,\s]+)\]<=", text)
-    if m:
-        dims = [int(d) for d in m.group(1).split(",")]
-        return dims[-1] if len(dims) > 1 else dims[0]
-    m = re.match(r"\{\s*\{([^}]*)\}", text)
-    if m:
-        return len([d for d in m.group(1).split(",") if d.strip()])
-    return n_devices
 
 
 def wire_bytes(kind: str, result_bytes: float, n: int) -> float:

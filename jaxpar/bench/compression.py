@@ -19,8 +19,6 @@ float32 reduction for PowerSGD; "over the run" averages the bytes over all steps
 """
 from __future__ import annotations
 
-import math
-import re
 import time
 from typing import Callable
 
@@ -29,6 +27,7 @@ import numpy as np
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
 from jaxpar.config import Config
 from jaxpar.metrics import collective_ops
+from jaxpar.metrics.hlo import group_size
 
 LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0", "train.steps=100", "train.log_every=1"]
 
@@ -46,24 +45,6 @@ VARIANTS: dict[str, list[str]] = {
 }
 TARGETS = {"local sgd H=8": (8.0, None), "bf16": (2.0, 0.02), "int8": (3.5, 0.02), "onebit": (20.0, None), "powersgd r4": (20.0, 0.02),
            "onebit adam": (None, 0.02)}
-
-
-def group_size(replica_groups: str, n_devices: int) -> int:
-    """Devices per replica group, from the HLO attribute text (named-axis, iota or explicit)."""
-    text = replica_groups.strip()
-    m = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
-    if m:
-        sizes = {k: int(v) for k, v in re.findall(r"'?([\w\-]+)'?\s*=\s*(\d+)", m.group(1))}
-        names = re.findall(r"'([\w\-]+)'", m.group(2)) or re.findall(r"[\w\-]+", m.group(2))
-        return math.prod(sizes[n] for n in names) if names else n_devices
-    m = re.match(r"\[([\d,\s]+)\]<=", text)
-    if m:
-        dims = [int(d) for d in m.group(1).split(",")]
-        return dims[-1] if len(dims) > 1 else dims[0]
-    m = re.match(r"\{\s*\{([^}]*)\}", text)
-    if m:
-        return len([d for d in m.group(1).split(",") if d.strip()])
-    return n_devices
 
 
 def wire_bytes(hlo_text: str, n_devices: int) -> tuple[float, int, dict[str, float]]:

@@ -256,3 +256,24 @@ def collective_bytes(hlo_text: str, count_loops: bool = False) -> dict[str, int]
     for op in collective_ops(hlo_text, count_loops=count_loops):
         totals[op.kind] += op.bytes
     return totals
+
+
+def group_size(replica_groups: str, n_devices: int) -> int:
+    """Devices per replica group, from the HLO attribute text.
+
+    Formats: `mesh['data'=1,'fsdp'=8] {'fsdp'}` (named axes), `[2,4]<=[8]` (iota: groups x
+    size), `{{0,1},{2,3}}` (explicit), `{}` / empty (all devices)."""
+    text = replica_groups.strip()
+    m = re.match(r"mesh\[(.*?)\]\s*\{(.*?)\}", text)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'?([\w\-]+)'?\s*=\s*(\d+)", m.group(1))}
+        names = re.findall(r"'([\w\-]+)'", m.group(2)) or re.findall(r"[\w\-]+", m.group(2))
+        return math.prod(sizes[n] for n in names) if names else n_devices
+    m = re.match(r"\[([\d,\s]+)\]<=", text)
+    if m:
+        dims = [int(d) for d in m.group(1).split(",")]
+        return dims[-1] if len(dims) > 1 else dims[0]
+    m = re.match(r"\{\s*\{([^}]*)\}", text)
+    if m:
+        return len([d for d in m.group(1).split(",") if d.strip()])
+    return n_devices

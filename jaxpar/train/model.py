@@ -19,7 +19,8 @@ def pure_dict(state) -> dict:
     return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
 
 
-def _nest(flat: dict[tuple, Any]) -> dict:
+def nest(flat: dict[tuple, Any]) -> dict:
+    """{(a, b): v} -> {a: {b: v}}."""
     out: dict = {}
     for path, v in flat.items():
         node = out
@@ -52,7 +53,7 @@ class ModelDef:
                 raise ValueError(f"param {'/'.join(map(str, path))}: axes {ax} vs shape {val.shape}")
             axes[path] = tuple(ax)
             shapes[path] = jax.ShapeDtypeStruct(val.shape, val.dtype)
-        return cls(graphdef, abstract, _nest(axes), _nest(shapes), factory)
+        return cls(graphdef, abstract, nest(axes), nest(shapes), factory)
 
     @property
     def n_params(self) -> int:

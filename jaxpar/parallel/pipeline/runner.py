@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import nn
+from jaxpar.train.model import nest
 from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, F_FIRST, F_MID, IDLE,
                                                Timetable)
 
@@ -55,16 +56,6 @@ def flatten(tree: dict, prefix: tuple = ()) -> dict[tuple, Any]:
             out.update(flatten(v, prefix + (k,)))
         else:
             out[prefix + (k,)] = v
-    return out
-
-
-def unflatten(flat: dict[tuple, Any]) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
     return out
 
 
@@ -128,7 +119,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             lay = {k: to_interleaved(a, p, v) for k, a in lay.items()}
 
         def call(top, lay_k, tokens, hook, prep):
-            state = model.state(unflatten({**top, **lay_k}))
+            state = model.state(nest({**top, **lay_k}))
             if prep:
                 state = prepare_top(state)
             try:
@@ -241,6 +232,6 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         if v > 1:
             acc_lay = {n: from_interleaved(a, p, v) for n, a in acc_lay.items()}
         acc_lay = {n: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for n, a in acc_lay.items()}
-        return loss[None], unflatten({**acc_top, **acc_lay}), jax.tree.map(lambda a: a[None], sown)
+        return loss[None], nest({**acc_top, **acc_lay}), jax.tree.map(lambda a: a[None], sown)
 
     return run
