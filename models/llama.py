@@ -48,20 +48,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
+def init_attention(layer: nnx.Module, cfg, num_layers: int, rngs: nnx.Rngs) -> tuple[float, float]:
+    """The attention params and both norms of a stacked decoder layer (shared by the dense and
+    the MoE layer); returns the (input, output-projection) init scales."""
+    L, D, H, K = num_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads
+    hd = cfg.head_dim or D // H
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    layer.eps = cfg.norm_eps
+    layer.attn_norm = param(rngs, (L, D), ("layers", "norm"), ones=True)
+    layer.wq = param(rngs, (L, D, H, hd), ("layers", "embed", "heads", "head_dim"), std=std)
+    layer.wk = param(rngs, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std)
+    layer.wv = param(rngs, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std)
+    layer.wo = param(rngs, (L, H, hd, D), ("layers", "heads", "head_dim", "embed"), std=out_std)
+    layer.mlp_norm = param(rngs, (L, D), ("layers", "norm"), ones=True)
+    return std, out_std
+
+
 class Block(nnx.Module):
     """Decoder layers: attention + SwiGLU MLP. Params stacked over `num_layers`."""
 
     def __init__(self, cfg, num_layers: int, rngs: nnx.Rngs):
-        L, D, H, K, F = num_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim
-        hd = cfg.head_dim or D // H
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.eps = cfg.norm_eps
-        self.attn_norm = param(rngs, (L, D), ("layers", "norm"), ones=True)
-        self.wq = param(rngs, (L, D, H, hd), ("layers", "embed", "heads", "head_dim"), std=std)
-        self.wk = param(rngs, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std)
-        self.wv = param(rngs, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std)
-        self.wo = param(rngs, (L, H, hd, D), ("layers", "heads", "head_dim", "embed"), std=out_std)
-        self.mlp_norm = param(rngs, (L, D), ("layers", "norm"), ones=True)
+        L, D, F = num_layers, cfg.dim, cfg.ffn_dim
+        std, out_std = init_attention(self, cfg, num_layers, rngs)
         self.w_gate = param(rngs, (L, D, F), ("layers", "embed", "mlp"), std=std)
         self.w_up = param(rngs, (L, D, F), ("layers", "embed", "mlp"), std=std)
         self.w_down = param(rngs, (L, F, D), ("layers", "mlp", "embed"), std=out_std)

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxpar import nn
 from jaxpar.nn import constrain, param, scan_layers
-from models.llama import RESIDUAL, Block, rms_norm, rope_tables
+from models.llama import RESIDUAL, Block, init_attention, rms_norm, rope_tables
 
 # Mixtral 8x7B (published): 46,702,792,704 parameters, 12,879,925,248 active per token
 # (2 of 8 experts); `param_count` / `active_param_count` give them, the tests check both.
@@ -119,16 +119,7 @@ class MoEBlock(nnx.Module):
     """A decoder layer whose MLP is the MoE (attention as in models.llama.Block)."""
 
     def __init__(self, cfg, num_layers: int, rngs: nnx.Rngs):
-        L, D, H, K = num_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads
-        hd = cfg.head_dim or D // H
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-        self.eps = cfg.norm_eps
-        self.attn_norm = param(rngs, (L, D), ("layers", "norm"), ones=True)
-        self.wq = param(rngs, (L, D, H, hd), ("layers", "embed", "heads", "head_dim"), std=std)
-        self.wk = param(rngs, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std)
-        self.wv = param(rngs, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std)
-        self.wo = param(rngs, (L, H, hd, D), ("layers", "heads", "head_dim", "embed"), std=out_std)
-        self.mlp_norm = param(rngs, (L, D), ("layers", "norm"), ones=True)
+        init_attention(self, cfg, num_layers, rngs)
         self.moe = MoE(cfg, num_layers, rngs)
 
     attention = Block.attention
