@@ -14,7 +14,7 @@ from jaxpar.config import ConfigError, load_config
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from jaxpar.xla import apply_xla_flags
-    apply_xla_flags(cfg.xla)
+    apply_xla_flags(cfg)
     from jaxpar.distributed import initialize  # before any other JAX call
     multi = initialize(cfg.distributed, log=print) is not None
     from jaxpar.train.trainer import run

@@ -361,6 +361,11 @@ class XlaConfig(Strict):
     """XLA options. On GPU the latency-hiding scheduler overlaps collectives with compute."""
 
     gpu_overlap: bool = True
+    # XLA:CPU's default dot library (YNNPACK) cannot take a bf16 dot whose left operand is
+    # transposed (every weight gradient x^T dy once XLA folds the transpose into the dot): such
+    # dots fall back to a naive loop, 2-3x slower steps in bf16. oneDNN takes them all.
+    # auto: oneDNN when train.compute_dtype is 16-bit (in float32 XLA's default is faster).
+    cpu_dots: Literal["auto", "onednn", "default"] = "auto"
     flags: list[str] = Field(default_factory=list)
 
 

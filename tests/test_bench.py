@@ -32,7 +32,7 @@ def test_first_override_is_not_taken_for_a_config_path():
 
 
 def test_layouts_default_to_quickstart_and_give_way_to_overrides():
-    _, cfg = load("overhead", None, TINY)
+    _, cfg = load("overhead-point", None, TINY)
     assert cfg.name == "quickstart" and cfg.train.steps == 20 and cfg.sharding.zero_stage == 0
     assert (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor) == (-1, 1, 1)
     _, cfg = load("memory", None, [*TINY, "mesh.data=2", "mesh.fsdp=-1"])
@@ -102,7 +102,7 @@ def test_comm_collectives_match_the_analytic_bytes():
 
 
 def test_overhead_times_both_steps():
-    mod, cfg = load("overhead", None, [*TINY, "train.steps=2"])
+    mod, cfg = load("overhead-point", None, [*TINY, "train.steps=2"])
     res = mod.run(cfg, warmup=1)
     for k in ("jaxpar", "baseline"):
         assert res[k]["n"] == 2 and res[k]["median_s"] > 0 and res[k]["compile_s"] > 0

@@ -210,7 +210,7 @@ def _main(spec: dict) -> int:
     from jaxpar.xla import apply_xla_flags
 
     cfg = load_config(spec["config"], spec["overrides"])
-    apply_xla_flags(cfg.xla)
+    apply_xla_flags(cfg)
     from jaxpar import checkpoint
     from jaxpar.train.trainer import run
 

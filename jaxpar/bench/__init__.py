@@ -1,6 +1,7 @@
 """`jaxpar bench NAME [CONFIG] [overrides...] [--json]`: benchmarks that print figures.
 
-  overhead  jaxpar's compiled step vs a minimal hand-written `jax.jit` step of the same model
+  overhead  jaxpar's step vs a hand-written `jax.jit` step: compute dtype x remat x layout matrix
+  overhead-point  one cell of it: jaxpar's compiled step vs the hand-written step, this layout
   memory    per-device params / grads / optimizer state / temp bytes per ZeRO stage vs the paper
   comm      bytes per collective kind per step (from the compiled HLO) vs the analytic minimum
   moe       expert all-to-all bytes (compiled HLO vs analytic) and step time, capacity vs dropless
@@ -23,7 +24,8 @@ from typing import Callable, Sequence
 from jaxpar.bench.common import build_config, check_name
 
 BENCHMARKS: dict[str, str] = {
-    "overhead": "jaxpar.bench.overhead",
+    "overhead": "jaxpar.bench.overhead_matrix",
+    "overhead-point": "jaxpar.bench.overhead",
     "memory": "jaxpar.bench.memory",
     "comm": "jaxpar.bench.comm",
     "moe": "jaxpar.bench.moe",
@@ -59,7 +61,7 @@ def run_bench(name: str, config_path: str | None, overrides: Sequence[str], as_j
     config_path, overrides = split_args(config_path, overrides)
     mod, cfg = load(name, config_path, overrides)
     from jaxpar.xla import apply_xla_flags
-    apply_xla_flags(cfg.xla)
+    apply_xla_flags(cfg)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # progress; stdout holds only the result
     result = mod.run(cfg, log=log, **({"plot": plot} if plot else {}))  # --plot: pipeline
     result = {"benchmark": name, **result}

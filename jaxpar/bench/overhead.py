@@ -1,20 +1,22 @@
-"""`jaxpar bench overhead`: jaxpar's compiled step vs a minimal hand-written `jax.jit` step.
+"""`jaxpar bench overhead-point`: jaxpar's compiled step vs a minimal hand-written `jax.jit` step
+(one cell of `jaxpar bench overhead`, which runs the dtype x remat x layout matrix).
 
 The baseline is what one would write without jaxpar: the same `models.llama.Llama` (nnx, same
 seed, so the same initial params), `jax.value_and_grad` of the mean token cross-entropy, and
 optax clip-by-global-norm + AdamW with the config's schedule and hyperparameters (no decay on
-norms, like jaxpar), in one `jax.jit` whose params and optimizer state are replicated and whose
-batch has jaxpar's batch sharding, on the same mesh, with the same batch. GSPMD inserts the
-gradient all-reduce. Both steps donate their state.
+norms, like jaxpar), in one `jax.jit` whose params and optimizer state have jaxpar's shardings
+for the layout (replicated for data parallelism; fsdp / tensor shards otherwise) and whose batch
+has jaxpar's batch sharding, on the same mesh, with the same batch. GSPMD inserts every
+collective. Both steps donate their state.
 
-Default layout: pure data parallel (mesh data=-1, zero_stage 0), the like-for-like case; with
-other layouts (overrides) the baseline stays replicated-params data parallel.
+Default layout: pure data parallel (mesh data=-1, zero_stage 0).
 
 Timing: `warmup` steps of each, then `train.steps` steps alternating jaxpar / baseline, who
 goes first alternating too (so load from other processes hits both alike), each timed to
 `block_until_ready`. Reported: the median step time of each and jaxpar / baseline (target
 <= 1.05); also the ratio of the fastest steps and the median ratio of back-to-back pairs,
-which a busy machine disturbs less.
+which a busy machine disturbs less, and the ratio of
+the process's CPU time per step (total work, which other processes' load barely changes).
 """
 from __future__ import annotations
 
@@ -38,8 +40,11 @@ TARGET = 1.05
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def build_baseline(cfg: Config, mesh, batch_sharding: NamedSharding):
-    """(init() -> (params, opt_state), jitted step(params, opt_state, tokens)) written by hand."""
+def build_baseline(cfg: Config, mesh, batch_sharding: NamedSharding, param_shardings=None,
+                   opt_param_shardings=None):
+    """(init() -> (params, opt_state), jitted step(params, opt_state, tokens)) written by hand.
+    Params (and the optimizer's per-param state) are replicated unless shardings are given:
+    then plain GSPMD with those shardings, which places every collective itself."""
     from models.llama import Llama
 
     t, o = cfg.train, cfg.optimizer
@@ -90,9 +95,16 @@ def build_baseline(cfg: Config, mesh, batch_sharding: NamedSharding):
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": _norm(grads)}
 
-    step_jit = jax.jit(step, in_shardings=(repl, repl, batch_sharding),
-                       out_shardings=(repl, repl, None), donate_argnums=(0, 1))
-    return jax.jit(init, out_shardings=repl), step_jit
+    p_sh, o_sh = repl, repl
+    if param_shardings is not None:  # the optimizer's per-param state follows its own shardings
+        p_sh = param_shardings
+        o_sh = optax.tree_map_params(tx, lambda _, sh: sh, jax.eval_shape(lambda: init()[1]),
+                                     opt_param_shardings or param_shardings,
+                                     transform_non_params=lambda _: repl,
+                                     is_leaf=lambda x: isinstance(x, NamedSharding))
+    step_jit = jax.jit(step, in_shardings=(p_sh, o_sh, batch_sharding),
+                       out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
+    return jax.jit(init, out_shardings=(p_sh, o_sh)), step_jit
 
 
 def _norm(tree):
@@ -118,7 +130,11 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, warmup: int = 
     batch = trainer.loader.batch(0)
     jp_state = trainer.init_state()
 
-    init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding)
+    plan, model = trainer.plan, trainer.model  # the baseline gets jaxpar's param/opt shardings
+    sh = lambda use: jax.tree.map(lambda ax, s: plan.sharding(plan.spec(ax, s.shape, use)),
+                                  model.axes, model.shapes, is_leaf=lambda x: isinstance(x, tuple))
+    shardings = (sh("param"), sh("opt"))
+    init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding, *(shardings or ()))
     params, opt_state = init()
     t0 = time.perf_counter()
     bl_step = bl_jit.lower(params, opt_state, batch).compile()
@@ -141,14 +157,16 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, warmup: int = 
         run_jp()
         run_bl()
     log(f"overhead: timing {steps} steps each")
-    jp_times, bl_times = [], []
+    jp_times, bl_times, jp_cpu, bl_cpu = [], [], [], []
     for i in range(steps):
-        pair = ((run_jp, jp_times), (run_bl, bl_times))
-        for fn, acc in pair if i % 2 == 0 else pair[::-1]:  # alternate who goes first
-            t0 = time.perf_counter()
+        pair = ((run_jp, jp_times, jp_cpu), (run_bl, bl_times, bl_cpu))
+        for fn, acc, cpu in pair if i % 2 == 0 else pair[::-1]:  # alternate who goes first
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             acc.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)  # this process's CPU work: other load barely moves it
     jp, bl = _stats(jp_times), _stats(bl_times)
+    jp["cpu_median_s"], bl["cpu_median_s"] = statistics.median(jp_cpu), statistics.median(bl_cpu)
     r = jp["median_s"] / bl["median_s"]
     paired = statistics.median(a / b for a, b in zip(jp_times, bl_times))
     return {
@@ -164,6 +182,7 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, warmup: int = 
         "ratio": r,
         "ratio_min": jp["min_s"] / bl["min_s"],
         "ratio_paired_median": paired,
+        "cpu_ratio": jp["cpu_median_s"] / bl["cpu_median_s"],
         "target": TARGET,
         "within_target": r <= TARGET,
     }
@@ -185,5 +204,35 @@ def format_result(res: dict) -> str:
         table(["step", "median ms", "min ms", "max ms", "compile s", "loss @1"], rows), "",
         f"ratio jaxpar/baseline (median): {fmt_ratio(res['ratio'])}  ({verdict} target <= {res['target']})",
         f"  of the fastest steps: {fmt_ratio(res['ratio_min'])};  median of back-to-back pairs: "
-        f"{fmt_ratio(res['ratio_paired_median'])}  (less sensitive to load from other processes)",
+        f"{fmt_ratio(res['ratio_paired_median'])}  (less sensitive to load from other processes);  "
+        f"of CPU time per step: {fmt_ratio(res['cpu_ratio'])}",
     ])
+
+
+def compiled_structure(cfg: Config) -> dict:
+    """Compile (never run) jaxpar's step and the hand-written one for `cfg`: XLA's bytes accessed
+    and the bf16 dots left to XLA:CPU's naive emitter, per step. Call with jaxpar's XLA options
+    applied (jaxpar.xla.apply_xla_flags) before JAX starts."""
+    from jaxpar.metrics.hlo import naive_dots
+    from jaxpar.train.trainer import Trainer
+
+    trainer = Trainer(cfg, log=lambda s: None)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
+                                 sharding=trainer.spec.batch_sharding)
+    state = jax.eval_shape(trainer.init_fn, cfg.train.seed)
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
+                         trainer.spec.state_shardings)
+    plan, model = trainer.plan, trainer.model
+    sh = lambda use: jax.tree.map(lambda ax, s: plan.sharding(plan.spec(ax, s.shape, use)),
+                                  model.axes, model.shapes, is_leaf=lambda x: isinstance(x, tuple))
+    init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding, sh("param"), sh("opt"))
+    params, opt_state = jax.eval_shape(init)
+    out = {}
+    for name, compiled in (("jaxpar", trainer.step_fn.lower(state, batch).compile()),
+                           ("baseline", bl_jit.lower(params, opt_state, batch).compile())):
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        out[name] = {"bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+                     "flops": float(cost.get("flops", 0.0)),
+                     "naive_bf16_dots": naive_dots(compiled.as_text(), "bf16")}
+    return out

@@ -277,3 +277,25 @@ def group_size(replica_groups: str, n_devices: int) -> int:
     if m:
         return len([d for d in m.group(1).split(",") if d.strip()])
     return n_devices
+
+
+_DOT = re.compile(r"^\s*(ROOT )?%\S+ = (\w+)\[[^\]]*\]\S* dot\(")
+_FUSION_HEAD = re.compile(r"^%(\S+) ")
+
+
+def naive_dots(hlo_text: str, dtype: str = "bf16") -> int:
+    """How many `dtype` dots of a compiled XLA:CPU module run outside a library fusion (YNNPACK,
+    oneDNN, XNNPACK): those fall back to XLA's naive loop emitter, many times slower in bf16.
+    A library dot is the root of its own fusion computation; a naive one stands in a loop body
+    or the entry computation (or in a loop fusion)."""
+    library = set(re.findall(r"calls=%([\w.-]+), [^\n]*(?:__ynn_fusion|__xnn_fusion|onednn)", hlo_text,
+                             flags=re.IGNORECASE))
+    n, comp = 0, None
+    for line in hlo_text.splitlines():
+        head = _FUSION_HEAD.match(line) or (re.match(r"^ENTRY %(\S+) ", line))
+        if head:
+            comp = head.group(1)
+        m = _DOT.match(line)
+        if m and m.group(2) == dtype and not (m.group(1) and comp in library):
+            n += 1
+    return n

@@ -65,14 +65,19 @@ def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype) -> j
 
 
 def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callable:
-    """Returns prepare(state, stacked) -> state: cast each param to the compute dtype and, at
-    ZeRO-3, all-gather its `fsdp` shards. The gathered weights are named GATHERED, which the
-    layer scan's remat policy never saves: the backward gathers again instead of keeping whole
-    weights alive (ZeRO-3's 2 gathers + 1 reduce-scatter per layer).
+    """Returns prepare(state, stacked, cast_only=False) -> state: cast each param to the compute
+    dtype and, at ZeRO-3, all-gather its `fsdp` shards. The gathered weights are named GATHERED,
+    which the layer scan's remat policy never saves: the backward gathers again instead of
+    keeping whole weights alive (ZeRO-3's 2 gathers + 1 reduce-scatter per layer).
+
+    `cast_only` (the stacked layer params, before the layer scan): cast what needs no gather and
+    leave the rest for the scan. Casting the whole stack once, outside the scan, is what a plain
+    jit does; per layer inside it, the backward converts and transposes each layer's gradient in
+    float32 (twice the bytes) and the forward carries the float32 stack through the loop.
     """
     gather_axes = {ZERO_AXIS} & manual if plan.zero_stage >= 3 else set()
 
-    def prepare_leaf(var: nnx.Variable, stacked: bool):
+    def prepare_leaf(var: nnx.Variable, stacked: bool, cast_only: bool):
         x = var[...]
         dtype = compute_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
         axes = axes_of(var)
@@ -80,14 +85,12 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callabl
         if gather_axes and axes is not None:
             axes = tuple(axes[1:]) if stacked else tuple(axes)
             dims = sharded_dims(plan.spec(axes, None, "param"), gather_axes)
-        if dims:
-            x = checkpoint_name(gather_in(x, dims, dtype), GATHERED)
-        elif x.dtype != dtype:
-            x = x.astype(dtype)
-        return var.replace(x)
+        if dims:  # the gather casts its shard itself (bf16 on the wire, fp32 reduce-scatter back)
+            return var if cast_only else var.replace(checkpoint_name(gather_in(x, dims, dtype), GATHERED))
+        return var.replace(x.astype(dtype)) if x.dtype != dtype else var
 
-    def prepare(state, stacked: bool):
-        return jax.tree.map(lambda v: prepare_leaf(v, stacked), state,
+    def prepare(state, stacked: bool, cast_only: bool = False):
+        return jax.tree.map(lambda v: prepare_leaf(v, stacked, cast_only), state,
                             is_leaf=lambda v: isinstance(v, nnx.Variable))
 
     return prepare

@@ -185,41 +185,44 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     if replicas:
         grad_shardings = replicas.replica_shardings(grad_shardings)
 
+    def apply(state, grads, comm):
+        """The state after the optimizer update (the step counter aside)."""
+        new = {k: v for k, v in state.items() if k != "step"}
+        if replicas:  # local SGD: each replica steps alone; every sync_every steps they meet
+            new["params"], new["opt_state"], new["local"] = replicas.update(tx, grads, state)
+        else:
+            updates, new["opt_state"] = tx.update(grads, state["opt_state"], state["params"])
+            new["params"] = optax.apply_updates(state["params"], updates)
+        if comm:
+            new["comm"] = comm
+        return new
+
     def step(state, tokens):
         extra = spec.reducer.extra_inputs(state) if spec.reducer is not None else {}
         (loss, aux), grads, comm = sharded_grads(replicas.params_in(state) if replicas else state["params"], tokens, state.get("comm", {}), extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
-        local = None
-        if replicas:  # local SGD: each replica steps alone; every sync_every steps they meet
-            params, opt_state, local = replicas.update(tx, grads, state)
-        else:
-            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, **flat_metrics(aux)}
         if skip_nonfinite:
+            # A skipped step keeps params, optimizer, reducer and replica state. One cond, not a
+            # select per leaf: a select reads each donated buffer twice and XLA copies them all.
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            keep = lambda new, old: jnp.where(ok, new, old)
-            params = jax.tree.map(keep, params, state["params"])
-            opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+            kept = {k: v for k, v in state.items() if k != "step"}
+            new_state = jax.lax.cond(ok, lambda: _like(apply(state, grads, comm), kept), lambda: kept)
             metrics["nonfinite"] = jnp.logical_not(ok).astype(jnp.int32)
+        else:
+            new_state = apply(state, grads, comm)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state["step"])
-        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-        if comm:
-            if "nonfinite" in metrics:  # a skipped step keeps its error-feedback residuals too
-                comm = jax.tree.map(lambda new, old: jnp.where(metrics["nonfinite"] == 0, new, old),
-                                    comm, state["comm"])
-            new_state["comm"] = comm
-        if local is not None:
-            if "nonfinite" in metrics:
-                local = jax.tree.map(lambda new, old: jnp.where(metrics["nonfinite"] == 0, new, old),
-                                     local, state["local"])
-            new_state["local"] = local
-        return new_state, metrics
+        return {"step": state["step"] + 1, **new_state}, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),
                    out_shardings=(spec.state_shardings, None), donate_argnums=0)
+
+
+def _like(tree, ref):
+    """`tree` in the dtypes of `ref` (both branches of a cond must agree exactly)."""
+    return jax.tree.map(lambda x, r: x.astype(r.dtype), tree, ref)
 
 
 def add_sown(loss: jax.Array, sown: dict, share: float):
@@ -247,11 +250,12 @@ def flat_metrics(metrics: dict) -> dict:
 
 
 def _prepare_top(state, prepare, stacked_paths: set[str]):
-    """Cast/gather the params used outside the layer scan (embeddings, final norm, head)."""
+    """Cast/gather the params used outside the layer scan (embeddings, final norm, head) and cast
+    the layer stacks that need no per-layer gather (see jaxpar.parallel.data.param_preparer)."""
     from flax import nnx
     flat = nnx.to_flat_state(state)
     items = []
     for path, var in flat:
-        key = "/".join(map(str, path))
-        items.append((path, var if key in stacked_paths else prepare({"v": var}, stacked=False)["v"]))
+        stacked = "/".join(map(str, path)) in stacked_paths
+        items.append((path, prepare({"v": var}, stacked=stacked, cast_only=stacked)["v"]))
     return nnx.from_flat_state(items)

@@ -78,6 +78,8 @@ class Trainer:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
+        from jaxpar.xla import apply_xla_flags
+        apply_xla_flags(cfg, log=self.log)  # before JAX starts (scripts too, not only the CLI)
         from jaxpar.distributed import initialize
         initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
         self.mesh = build_mesh(cfg.mesh, self.devices)
