@@ -9,7 +9,9 @@ A checkpoint is one orbax step directory `<run dir>/checkpoints/<step>/` with th
 Orbax writes a step into a temporary directory and renames it when every item is written, so a
 step directory that exists is whole; a run killed mid-save leaves only a temporary directory,
 which the next run deletes. A step whose files were damaged afterwards (truncated, bit flips)
-fails to restore or fails its checksum, and restore falls back to the previous step.
+fails to restore or fails its checksum, and restore falls back to the previous step. With several
+processes they fall back together: a step is used only when every process read it and it passed
+its checksums (`agree`), so one host's damaged file never splits the group across two steps.
 
 Restore builds the target from the *current* trainer (shapes + shardings of its mesh), so a
 checkpoint saved on one mesh restores onto another (device count, ZeRO stage, tensor size).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -259,36 +262,100 @@ class Checkpointer:
                 warn: Callable[[str], None] = _warn) -> tuple[Any, dict, int]:
         """(state, meta, step) from `step`, or the latest good step. `abstract_state` holds
         ShapeDtypeStructs with the shardings to restore onto (any mesh). A step that fails to
-        load or whose checksums differ is reported with `warn` and the previous one is tried."""
-        ocp = self.ocp
-        steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
+        load on any process, or whose checksums differ, is reported with `warn` and every
+        process tries the previous one."""
+        steps = [step] if step is not None else _steps_anywhere(self.all_steps())
         if not steps:
             raise CheckpointError(f"no checkpoints in {self.root}")
         failures = []
         for s in steps:
             where = self.root / str(s)
-            try:
-                # parts of the state that cannot carry over are left out (partial restore)
-                target, dropped = _restorable(abstract_state, read_meta(where))
-                item = ocp.args.PyTreeRestore(
-                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=bool(dropped))
-                out = self.mngr.restore(s, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
-                state, meta = out["state"], dict(out["meta"])
-                meta["reset"] = dropped
-                bad = verify(state, meta)
-                if bad:
-                    raise CheckpointError(f"checksum mismatch in {', '.join(bad[:3])}"
-                                          + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
-            except Exception as e:  # noqa: BLE001 - any failure means: not usable
-                reason = _short(e)
-                failures.append(f"step {s}: {reason}")
-                rest = [x for x in steps if x < s]
-                then = f"falling back to step {rest[0]}" if rest else "no earlier checkpoint"
+            loaded, problem = _attempt(lambda: self._load(abstract_state, s))
+            bad = agree(problem)
+            if not bad:  # every process holds its part: the checksums are one global computation
+                _, problem = _attempt(lambda: _check_sums(*loaded))
+                bad = agree(problem)
+            if not bad:
+                return loaded[0], loaded[1], s
+            failures += [f"step {s}: {reason}" for reason in _reasons(bad)]
+            rest = [x for x in steps if x < s]
+            then = f"falling back to step {rest[0]}" if rest else "no earlier checkpoint"
+            for reason in _reasons(bad):
                 warn(f"checkpoint {where} is unusable ({reason}); {then}")
-                continue
-            return state, meta, s
         raise CheckpointError(f"no good checkpoint in {self.root}:\n  " + "\n  ".join(failures))
+
+    def _load(self, abstract_state: Any, s: int) -> tuple[Any, dict]:
+        """This process's part of step `s` (raises a damage error when it cannot be read)."""
+        ocp = self.ocp
+        where = self.root / str(s)
+        if not where.is_dir():
+            raise CheckpointError(f"{where} not found")
+        problems = check_complete(where)
+        if problems:
+            raise CheckpointError("incomplete: " + "; ".join(problems))
+        # parts of the state that cannot carry over are left out (partial restore)
+        target, dropped = _restorable(abstract_state, read_meta(where))
+        item = ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=bool(dropped))
+        out = self.mngr.restore(s, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
+        state, meta = out["state"], dict(out["meta"])
+        meta["reset"] = dropped
+        return state, meta
+
+
+def _check_sums(state: Any, meta: dict) -> None:
+    bad = verify(state, meta)
+    if bad:
+        raise CheckpointError(f"checksum mismatch in {', '.join(bad[:3])}"
+                              + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+
+
+# ---------------------------------------------------------------------------- damage and agreement
+
+# absl status codes tensorstore puts first in the ValueError it raises for a failed read
+_STORE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT",
+                "PERMISSION_DENIED", "UNAVAILABLE", "UNKNOWN", "INTERNAL", "ABORTED")
+
+
+def is_damage(e: BaseException) -> bool:
+    """True for errors that mean "this step's files cannot be used" (missing, truncated, not
+    JSON, a checksum mismatch, a tensorstore read error); anything else is a bug and propagates."""
+    if isinstance(e, (CheckpointError, OSError, json.JSONDecodeError, UnicodeDecodeError)):
+        return True
+    return isinstance(e, ValueError) and str(e).split(":", 1)[0] in _STORE_CODES
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(fn(), None), or (None, why) when fn fails with a damage error."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - re-raised unless it means damage
+        if not is_damage(e):
+            raise
+        return None, _short(e, 500)
+
+
+def agree(problem: str | None) -> list[tuple[int, str]]:
+    """Every process's verdict on the same step: [(process index, why)] for those that cannot
+    use it, [] when all can. One process: its own verdict, nothing sent."""
+    from jaxpar.distributed import allgather_json
+    verdicts = allgather_json(problem, "checkpoint verdict")
+    return [(i, v) for i, v in enumerate(verdicts) if v is not None]
+
+
+def _reasons(bad: list[tuple[int, str]]) -> list[str]:
+    """The reasons to report; with several processes each names its process."""
+    if jax.process_count() == 1:
+        return [why for _, why in bad]
+    return [f"on process {i}: {why}" for i, why in bad]
+
+
+def _steps_anywhere(mine: list[int]) -> list[int]:
+    """Every step any process has, newest first (a step missing on one fails there, for all)."""
+    from jaxpar.distributed import allgather_json
+    lists = allgather_json(sorted(mine), "checkpoint steps")
+    return sorted({s for steps in lists for s in steps}, reverse=True)
 
 
 CORE_KEYS = ("step", "params", "opt_state")
@@ -318,6 +385,8 @@ def _restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
 
 def _short(e: BaseException, n: int = 300) -> str:
     msg = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+    # a tensorstore error: its code and the file, without the driver chain and spec
+    msg = re.sub(r'Error opening "\w+" driver: ', "", msg.split(" [tensorstore_spec")[0])
     msg = " ".join(msg.split())
     return msg if len(msg) <= n else msg[:n] + "..."
 
@@ -353,13 +422,17 @@ class ResumePlan:
 
 
 def _first_readable_meta(root: Path, step: int | None) -> tuple[int, dict, dict] | None:
-    steps = [step] if step is not None else [s for s, _, ok in reversed(list_steps(root)) if ok]
+    """The newest step whose JSON every process reads (with its meta and config)."""
+    mine = [s for s, _, ok in list_steps(root) if ok]
+    steps = [step] if step is not None else _steps_anywhere(mine)
     for s in steps:
         d = root / str(s)
-        try:
-            return s, read_meta(d), read_config(d)
-        except CheckpointError as e:
-            _warn(f"checkpoint {d} is unusable ({e}); trying the previous one")
+        found, problem = _attempt(lambda: (read_meta(d), read_config(d)))
+        bad = agree(problem)
+        if not bad:
+            return s, *found
+        for reason in _reasons(bad):
+            _warn(f"checkpoint {d} is unusable ({reason}); trying the previous one")
     return None
 
 
