@@ -110,9 +110,26 @@ def layout_meta(cfg: Config, mesh) -> dict:
 # ---------------------------------------------------------------------------- directories
 
 
-def checkpoint_dir(cfg: Config) -> Path:
-    """Where this run saves: `checkpoint.dir`, or `<run dir>/checkpoints`."""
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.out_dir / "checkpoints"
+def checkpoint_dir(cfg: Config, out_dir: Path | None = None) -> Path:
+    """Where this run saves: `checkpoint.dir` (a relative one inside the run dir), or
+    `<run dir>/checkpoints`. `out_dir` is the run dir when it is not `cfg.out_dir`."""
+    run = Path(out_dir) if out_dir is not None else cfg.out_dir
+    return run / (cfg.checkpoint.dir or "checkpoints")  # an absolute dir replaces `run`
+
+
+def ensure_writable(root: Path, cfg: Config) -> None:
+    """Create the checkpoint directory and write a file in it, so a path that cannot hold
+    checkpoints stops the run before training, with the OS's reason (not a traceback later)."""
+    probe = Path(root) / f".jaxpar-write-test-{os.getpid()}-{jax.process_index()}"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        what = f"checkpoint.dir={cfg.checkpoint.dir!r}" if cfg.checkpoint.dir else \
+            "the checkpoint directory (checkpoint.dir unset: <run dir>/checkpoints)"
+        raise CheckpointError(f"{what}: cannot create or write {root}: {e.strerror or e}; "
+                              f"set checkpoint.dir to a writable directory") from None
 
 
 def _is_step_name(name: str) -> bool:
