@@ -179,7 +179,7 @@ def _read_json_item(step_dir: Path, item: str) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{step_dir}: missing {item} ({path} not found)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{step_dir}: {item} is not valid JSON ({e})") from None
+        raise CheckpointError(f"{step_dir}: {item} is not valid JSON ({path}: {e})") from None
 
 
 def read_meta(step_dir: Path) -> dict:
@@ -234,6 +234,7 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only, create=not read_only, read_only=read_only,
         )
         self.mngr = ocp.CheckpointManager(self.root, options=options, item_names=ITEMS)
+        self.read_only = read_only
         self.last_saved: int | None = None
         self.save_seconds: list[float] = []
 
@@ -293,13 +294,32 @@ class Checkpointer:
                 _, problem = _attempt(lambda: _check_sums(*loaded))
                 bad = agree(problem)
             if not bad:
+                self._set_aside([x for x in steps if x > s])
                 return loaded[0], loaded[1], s
-            failures += [f"step {s}: {reason}" for reason in _reasons(bad)]
+            failures += [f"step {s}: {reason}" for reason in bad]
             rest = [x for x in steps if x < s]
             then = f"falling back to step {rest[0]}" if rest else "no earlier checkpoint"
-            for reason in _reasons(bad):
+            for reason in bad:
                 warn(f"checkpoint {where} is unusable ({reason}); {then}")
         raise CheckpointError(f"no good checkpoint in {self.root}:\n  " + "\n  ".join(failures))
+
+    def _set_aside(self, unusable: list[int]) -> None:
+        """Rename unusable newer steps to `<step>.unusable` (kept for inspection), so the resumed
+        run can save those steps again. Process 0 renames (shared storage); all reload."""
+        if not unusable or self.read_only:
+            return
+        if jax.process_index() == 0:
+            for s in unusable:
+                src, dst = self.root / str(s), self.root / f"{s}.unusable"
+                n = 1
+                while dst.exists():
+                    dst, n = self.root / f"{s}.unusable.{n}", n + 1
+                if src.is_dir():
+                    src.rename(dst)
+                    _warn(f"moved the unusable checkpoint {src} aside to {dst}")
+        from jaxpar.distributed import barrier
+        barrier("checkpoint set aside")
+        self.mngr.reload()
 
     def _load(self, abstract_state: Any, s: int) -> tuple[Any, dict]:
         """This process's part of step `s` (raises a damage error when it cannot be read)."""
@@ -310,15 +330,20 @@ class Checkpointer:
         problems = check_complete(where)
         if problems:
             raise CheckpointError("incomplete: " + "; ".join(problems))
+        meta = read_meta(where)
         # parts of the state that cannot carry over are left out (partial restore)
-        target, dropped = _restorable(abstract_state, read_meta(where))
+        target, dropped = _restorable(abstract_state, meta)
         item = ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
             partial_restore=bool(dropped))
-        out = self.mngr.restore(s, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
-        state, meta = out["state"], dict(out["meta"])
-        meta["reset"] = dropped
-        return state, meta
+        # the handler, not the manager: the manager's barrier after a restore would wait forever
+        # for a process whose read failed; the processes meet in `agree` instead
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            state = handler.restore(where / "state", args=item)
+        finally:
+            handler.close()
+        return state, {**meta, "reset": dropped}
 
 
 def _check_sums(state: Any, meta: dict) -> None:
@@ -335,12 +360,17 @@ _STORE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION",
                 "PERMISSION_DENIED", "UNAVAILABLE", "UNKNOWN", "INTERNAL", "ABORTED")
 
 
-def is_damage(e: BaseException) -> bool:
-    """True for errors that mean "this step's files cannot be used" (missing, truncated, not
-    JSON, a checksum mismatch, a tensorstore read error); anything else is a bug and propagates."""
-    if isinstance(e, (CheckpointError, OSError, json.JSONDecodeError, UnicodeDecodeError)):
-        return True
-    return isinstance(e, ValueError) and str(e).split(":", 1)[0] in _STORE_CODES
+def damage(e: BaseException | None) -> BaseException | None:
+    """The error in `e`'s cause chain that means "this step's files cannot be used" (missing,
+    truncated, not JSON, a checksum mismatch, a tensorstore read error, which orbax wraps in a
+    plain Exception), or None: anything else is a bug and propagates."""
+    while e is not None:
+        if isinstance(e, (CheckpointError, OSError, json.JSONDecodeError, UnicodeDecodeError)):
+            return e
+        if isinstance(e, ValueError) and str(e).split(":", 1)[0] in _STORE_CODES:
+            return e
+        e = e.__cause__
+    return None
 
 
 def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -348,24 +378,21 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
     try:
         return fn(), None
     except Exception as e:  # noqa: BLE001 - re-raised unless it means damage
-        if not is_damage(e):
+        cause = damage(e)
+        if cause is None:
             raise
-        return None, _short(e, 500)
+        return None, _short(cause, 500)
 
 
-def agree(problem: str | None) -> list[tuple[int, str]]:
-    """Every process's verdict on the same step: [(process index, why)] for those that cannot
-    use it, [] when all can. One process: its own verdict, nothing sent."""
+def agree(problem: str | None) -> list[str]:
+    """Every process's verdict on the same step: why it cannot be used, one reason per process
+    that cannot (naming the process when there are several), [] when all can. One process: its
+    own verdict, nothing sent."""
     from jaxpar.distributed import allgather_json
     verdicts = allgather_json(problem, "checkpoint verdict")
-    return [(i, v) for i, v in enumerate(verdicts) if v is not None]
-
-
-def _reasons(bad: list[tuple[int, str]]) -> list[str]:
-    """The reasons to report; with several processes each names its process."""
-    if jax.process_count() == 1:
-        return [why for _, why in bad]
-    return [f"on process {i}: {why}" for i, why in bad]
+    if len(verdicts) == 1:
+        return [v for v in verdicts if v is not None]
+    return [f"on process {i}: {v}" for i, v in enumerate(verdicts) if v is not None]
 
 
 def _steps_anywhere(mine: list[int]) -> list[int]:
@@ -448,7 +475,7 @@ def _first_readable_meta(root: Path, step: int | None) -> tuple[int, dict, dict]
         bad = agree(problem)
         if not bad:
             return s, *found
-        for reason in _reasons(bad):
+        for reason in bad:
             _warn(f"checkpoint {d} is unusable ({reason}); trying the previous one")
     return None
 
