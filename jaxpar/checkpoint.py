@@ -9,7 +9,9 @@ A checkpoint is one orbax step directory `<run dir>/checkpoints/<step>/` with th
 Orbax writes a step into a temporary directory and renames it when every item is written, so a
 step directory that exists is whole; a run killed mid-save leaves only a temporary directory,
 which the next run deletes. A step whose files were damaged afterwards (truncated, bit flips)
-fails to restore or fails its checksum, and restore falls back to the previous step.
+fails to restore or fails its checksum, and restore falls back to the previous step. With several
+processes they fall back together: a step is used only when every process read it and it passed
+its checksums (`agree`), so one host's damaged file never splits the group across two steps.
 
 Restore builds the target from the *current* trainer (shapes + shardings of its mesh), so a
 checkpoint saved on one mesh restores onto another (device count, ZeRO stage, tensor size).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -107,9 +110,26 @@ def layout_meta(cfg: Config, mesh) -> dict:
 # ---------------------------------------------------------------------------- directories
 
 
-def checkpoint_dir(cfg: Config) -> Path:
-    """Where this run saves: `checkpoint.dir`, or `<run dir>/checkpoints`."""
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.out_dir / "checkpoints"
+def checkpoint_dir(cfg: Config, out_dir: Path | None = None) -> Path:
+    """Where this run saves: `checkpoint.dir` (a relative one inside the run dir), or
+    `<run dir>/checkpoints`. `out_dir` is the run dir when it is not `cfg.out_dir`."""
+    run = Path(out_dir) if out_dir is not None else cfg.out_dir
+    return run / (cfg.checkpoint.dir or "checkpoints")  # an absolute dir replaces `run`
+
+
+def ensure_writable(root: Path, cfg: Config) -> None:
+    """Create the checkpoint directory and write a file in it, so a path that cannot hold
+    checkpoints stops the run before training, with the OS's reason (not a traceback later)."""
+    probe = Path(root) / f".jaxpar-write-test-{os.getpid()}-{jax.process_index()}"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        what = f"checkpoint.dir={cfg.checkpoint.dir!r}" if cfg.checkpoint.dir else \
+            "the checkpoint directory (checkpoint.dir unset: <run dir>/checkpoints)"
+        raise CheckpointError(f"{what}: cannot create or write {root}: {e.strerror or e}; "
+                              f"set checkpoint.dir to a writable directory") from None
 
 
 def _is_step_name(name: str) -> bool:
@@ -159,7 +179,7 @@ def _read_json_item(step_dir: Path, item: str) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{step_dir}: missing {item} ({path} not found)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{step_dir}: {item} is not valid JSON ({e})") from None
+        raise CheckpointError(f"{step_dir}: {item} is not valid JSON ({path}: {e})") from None
 
 
 def read_meta(step_dir: Path) -> dict:
@@ -214,6 +234,7 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only, create=not read_only, read_only=read_only,
         )
         self.mngr = ocp.CheckpointManager(self.root, options=options, item_names=ITEMS)
+        self.read_only = read_only
         self.last_saved: int | None = None
         self.save_seconds: list[float] = []
 
@@ -259,36 +280,126 @@ class Checkpointer:
                 warn: Callable[[str], None] = _warn) -> tuple[Any, dict, int]:
         """(state, meta, step) from `step`, or the latest good step. `abstract_state` holds
         ShapeDtypeStructs with the shardings to restore onto (any mesh). A step that fails to
-        load or whose checksums differ is reported with `warn` and the previous one is tried."""
-        ocp = self.ocp
-        steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
+        load on any process, or whose checksums differ, is reported with `warn` and every
+        process tries the previous one."""
+        steps = [step] if step is not None else _steps_anywhere(self.all_steps())
         if not steps:
             raise CheckpointError(f"no checkpoints in {self.root}")
         failures = []
         for s in steps:
             where = self.root / str(s)
-            try:
-                # parts of the state that cannot carry over are left out (partial restore)
-                target, dropped = _restorable(abstract_state, read_meta(where))
-                item = ocp.args.PyTreeRestore(
-                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=bool(dropped))
-                out = self.mngr.restore(s, args=ocp.args.Composite(state=item, meta=ocp.args.JsonRestore()))
-                state, meta = out["state"], dict(out["meta"])
-                meta["reset"] = dropped
-                bad = verify(state, meta)
-                if bad:
-                    raise CheckpointError(f"checksum mismatch in {', '.join(bad[:3])}"
-                                          + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
-            except Exception as e:  # noqa: BLE001 - any failure means: not usable
-                reason = _short(e)
-                failures.append(f"step {s}: {reason}")
-                rest = [x for x in steps if x < s]
-                then = f"falling back to step {rest[0]}" if rest else "no earlier checkpoint"
+            loaded, problem = _attempt(lambda: self._load(abstract_state, s))
+            bad = agree(problem)
+            if not bad:  # every process holds its part: the checksums are one global computation
+                _, problem = _attempt(lambda: _check_sums(*loaded))
+                bad = agree(problem)
+            if not bad:
+                self._set_aside([x for x in steps if x > s])
+                return loaded[0], loaded[1], s
+            failures += [f"step {s}: {reason}" for reason in bad]
+            rest = [x for x in steps if x < s]
+            then = f"falling back to step {rest[0]}" if rest else "no earlier checkpoint"
+            for reason in bad:
                 warn(f"checkpoint {where} is unusable ({reason}); {then}")
-                continue
-            return state, meta, s
         raise CheckpointError(f"no good checkpoint in {self.root}:\n  " + "\n  ".join(failures))
+
+    def _set_aside(self, unusable: list[int]) -> None:
+        """Rename unusable newer steps to `<step>.unusable` (kept for inspection), so the resumed
+        run can save those steps again. Process 0 renames (shared storage); all reload."""
+        if not unusable or self.read_only:
+            return
+        if jax.process_index() == 0:
+            for s in unusable:
+                src, dst = self.root / str(s), self.root / f"{s}.unusable"
+                n = 1
+                while dst.exists():
+                    dst, n = self.root / f"{s}.unusable.{n}", n + 1
+                if src.is_dir():
+                    src.rename(dst)
+                    _warn(f"moved the unusable checkpoint {src} aside to {dst}")
+        from jaxpar.distributed import barrier
+        barrier("checkpoint set aside")
+        self.mngr.reload()
+
+    def _load(self, abstract_state: Any, s: int) -> tuple[Any, dict]:
+        """This process's part of step `s` (raises a damage error when it cannot be read)."""
+        ocp = self.ocp
+        where = self.root / str(s)
+        if not where.is_dir():
+            raise CheckpointError(f"{where} not found")
+        problems = check_complete(where)
+        if problems:
+            raise CheckpointError("incomplete: " + "; ".join(problems))
+        meta = read_meta(where)
+        # parts of the state that cannot carry over are left out (partial restore)
+        target, dropped = _restorable(abstract_state, meta)
+        item = ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=bool(dropped))
+        # the handler, not the manager: the manager's barrier after a restore would wait forever
+        # for a process whose read failed; the processes meet in `agree` instead
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            state = handler.restore(where / "state", args=item)
+        finally:
+            handler.close()
+        return state, {**meta, "reset": dropped}
+
+
+def _check_sums(state: Any, meta: dict) -> None:
+    bad = verify(state, meta)
+    if bad:
+        raise CheckpointError(f"checksum mismatch in {', '.join(bad[:3])}"
+                              + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+
+
+# ---------------------------------------------------------------------------- damage and agreement
+
+# absl status codes tensorstore puts first in the ValueError it raises for a failed read
+_STORE_CODES = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION", "INVALID_ARGUMENT",
+                "PERMISSION_DENIED", "UNAVAILABLE", "UNKNOWN", "INTERNAL", "ABORTED")
+
+
+def damage(e: BaseException | None) -> BaseException | None:
+    """The error in `e`'s cause chain that means "this step's files cannot be used" (missing,
+    truncated, not JSON, a checksum mismatch, a tensorstore read error, which orbax wraps in a
+    plain Exception), or None: anything else is a bug and propagates."""
+    while e is not None:
+        if isinstance(e, (CheckpointError, OSError, json.JSONDecodeError, UnicodeDecodeError)):
+            return e
+        if isinstance(e, ValueError) and str(e).split(":", 1)[0] in _STORE_CODES:
+            return e
+        e = e.__cause__
+    return None
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(fn(), None), or (None, why) when fn fails with a damage error."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - re-raised unless it means damage
+        cause = damage(e)
+        if cause is None:
+            raise
+        return None, _short(cause, 500)
+
+
+def agree(problem: str | None) -> list[str]:
+    """Every process's verdict on the same step: why it cannot be used, one reason per process
+    that cannot (naming the process when there are several), [] when all can. One process: its
+    own verdict, nothing sent."""
+    from jaxpar.distributed import allgather_json
+    verdicts = allgather_json(problem, "checkpoint verdict")
+    if len(verdicts) == 1:
+        return [v for v in verdicts if v is not None]
+    return [f"on process {i}: {v}" for i, v in enumerate(verdicts) if v is not None]
+
+
+def _steps_anywhere(mine: list[int]) -> list[int]:
+    """Every step any process has, newest first (a step missing on one fails there, for all)."""
+    from jaxpar.distributed import allgather_json
+    lists = allgather_json(sorted(mine), "checkpoint steps")
+    return sorted({s for steps in lists for s in steps}, reverse=True)
 
 
 CORE_KEYS = ("step", "params", "opt_state")
@@ -318,6 +429,8 @@ def _restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
 
 def _short(e: BaseException, n: int = 300) -> str:
     msg = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+    # a tensorstore error: its code and the file, without the driver chain and spec
+    msg = re.sub(r'Error opening "\w+" driver: ', "", msg.split(" [tensorstore_spec")[0])
     msg = " ".join(msg.split())
     return msg if len(msg) <= n else msg[:n] + "..."
 
@@ -353,13 +466,17 @@ class ResumePlan:
 
 
 def _first_readable_meta(root: Path, step: int | None) -> tuple[int, dict, dict] | None:
-    steps = [step] if step is not None else [s for s, _, ok in reversed(list_steps(root)) if ok]
+    """The newest step whose JSON every process reads (with its meta and config)."""
+    mine = [s for s, _, ok in list_steps(root) if ok]
+    steps = [step] if step is not None else _steps_anywhere(mine)
     for s in steps:
         d = root / str(s)
-        try:
-            return s, read_meta(d), read_config(d)
-        except CheckpointError as e:
-            _warn(f"checkpoint {d} is unusable ({e}); trying the previous one")
+        found, problem = _attempt(lambda: (read_meta(d), read_config(d)))
+        bad = agree(problem)
+        if not bad:
+            return s, *found
+        for reason in bad:
+            _warn(f"checkpoint {d} is unusable ({reason}); trying the previous one")
     return None
 
 

@@ -6,6 +6,7 @@ did-you-mean), and the resolved config is printed at start and saved in the run 
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -345,7 +346,8 @@ class CheckpointConfig(Strict):
     written in the background (`async_save`); keeps the latest `keep_last` plus every
     `keep_every`-th step. On SIGTERM/SIGINT a run saves and exits 0 within `preemption_grace_s`.
     `elastic`: when resuming on another device count, adapt the mesh and train.grad_accum so the
-    global batch (and the loss curve) stays the same."""
+    global batch (and the loss curve) stays the same. A relative `dir` lies inside the run dir
+    (`..` may not leave it); an absolute one is used as given."""
 
     enabled: bool = True
     dir: str | None = None
@@ -355,6 +357,14 @@ class CheckpointConfig(Strict):
     async_save: bool = True
     preemption_grace_s: float = Field(120.0, gt=0)
     elastic: bool = True
+
+    @field_validator("dir")
+    @classmethod
+    def _inside_run_dir(cls, v: str | None) -> str | None:
+        if v and not os.path.isabs(v) and os.path.normpath(v).split(os.sep)[0] == "..":
+            raise ValueError("a relative checkpoint.dir is inside the run dir (<run_dir>/<name>) and "
+                             "'..' may not leave it; use a path inside it, or an absolute path")
+        return v
 
 
 class XlaConfig(Strict):
@@ -475,6 +485,16 @@ class Config(Strict):
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # the run writes into <run_dir>/<name>: a path here would write somewhere else
+        seps = {os.sep, os.altsep or os.sep, "/", "\\", "\0"}
+        if v in ("", ".", "..") or any(c in v for c in seps):
+            raise ValueError("the run name must be a plain file name (no '/' or '\\', not empty, "
+                             "'.' or '..'): the run writes into <run_dir>/<name>")
+        return v
 
     @property
     def out_dir(self) -> Path:

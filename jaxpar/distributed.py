@@ -283,3 +283,24 @@ def barrier(name: str, timeout_s: float = 900.0) -> None:
     client = dist.global_state.client
     if client is not None:
         client.wait_at_barrier(f"jaxpar:{name}:{next(_barrier_ids)}", timeout_in_ms=int(timeout_s * 1000))
+
+
+def allgather_json(obj, name: str = "allgather"):
+    """`obj` (anything JSON can hold) from every process, by process index, so that the
+    processes decide together (e.g. which checkpoint step all of them can read). One process:
+    `[obj]`, nothing sent. A barrier first, so the collective starts on every process at once."""
+    import jax
+    if jax.process_count() == 1:
+        return [obj]
+    import json
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+    barrier(name)
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8).astype(np.int32)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32))).ravel()
+    width = 1 << int(sizes.max()).bit_length()  # few distinct shapes: few compiles
+    buf = np.zeros(width, np.int32)
+    buf[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf))
+    return [json.loads(bytes(r[:n].astype(np.uint8)).decode()) for r, n in zip(rows, sizes)]

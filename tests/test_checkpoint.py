@@ -324,3 +324,30 @@ def test_resume_on_fewer_devices_restarts_compression_residuals(tmp_path, device
         jax.tree.map(lambda x: x.shape, tr4.abstract_state()["comm"])
     _, hist = tr4.fit(state, start, out_dir=tmp_path, progress=False)
     assert [h["step"] for h in hist] == [3] and np.isfinite(hist[0]["loss"])
+
+
+def test_processes_fall_back_together_and_a_bug_is_not_damage(tmp_path, devices, monkeypatch):
+    """A second process (simulated in the gather) cannot read step 2: this process, which can,
+    falls back to step 1 with it, the warning naming process 1 and its file. A programming error
+    during restore propagates instead of being taken for a damaged step."""
+    import jaxpar.distributed as dist
+    root = tmp_path / "c"
+    host = _save_steps(root, devices, [1, 2])
+    other = {"checkpoint verdict": [f"OUT_OF_RANGE: {root}/2/state/ocdbt.process_1/d/x truncated"]}
+    monkeypatch.setattr(dist, "allgather_json",
+                        lambda obj, name="": [obj, (other.get(name) or [obj]).pop(0)])
+    warnings = []
+    mgr = ck.Checkpointer(root)
+    state, _, step = mgr.restore(_target(devices, 4, host), warn=warnings.append)
+    assert step == 1 and warnings[0] == (
+        f"checkpoint {root.absolute() / '2'} is unusable (on process 1: OUT_OF_RANGE: {root}/2/state/"
+        f"ocdbt.process_1/d/x truncated); falling back to step 1")
+    assert mgr.all_steps() == [1] and (root / "2.unusable" / "state").is_dir()  # step 2 can be saved again
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), host["params"]["w"])
+    monkeypatch.setattr(ck, "verify", lambda state, meta: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        mgr.restore(_target(devices, 4, host), warn=warnings.append)
+    mgr.close()
+    wrapped = Exception("Encountered error while reading array index")
+    wrapped.__cause__ = ValueError('OUT_OF_RANGE: Error reading "w/0.0" of local file "/c/2/state/d/x"')
+    assert ck.damage(wrapped) is wrapped.__cause__ and ck.damage(KeyError("w")) is None

@@ -103,3 +103,29 @@ def test_cli_prints_error_not_traceback(capsys):
     assert main(["train", "configs/quickstart.yaml", "train.stpes=3"]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'steps'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["../..", "a/b", "..", ".", "", "x\\y"])
+def test_run_name_must_be_a_plain_file_name(name):
+    with pytest.raises(ConfigError, match=r"name = .*: the run name must be a plain file name"):
+        make_config({"name": name})
+    assert make_config({"name": "run-1.b"}).out_dir.parts[-2:] == ("runs", "run-1.b")
+
+
+def test_relative_checkpoint_dir_stays_in_the_run_dir(tmp_path):
+    from jaxpar.checkpoint import checkpoint_dir
+    for bad in ("../elsewhere", "a/../../b", ".."):
+        with pytest.raises(ConfigError, match=rf"checkpoint.dir = {bad!r}: .*'\.\.' may not leave it"):
+            make_config({}, [f"checkpoint.dir={bad}"])
+    cfg = make_config({}, [f"run_dir={tmp_path}", "name=r", "checkpoint.dir=sub/ck"])
+    assert checkpoint_dir(cfg) == tmp_path / "r" / "sub" / "ck"
+    absolute = make_config({}, [f"run_dir={tmp_path}", "name=r", f"checkpoint.dir={tmp_path / 'abs'}"])
+    assert checkpoint_dir(absolute) == tmp_path / "abs"  # the user's explicit choice
+
+
+def test_unwritable_checkpoint_dir_is_one_error_before_training(tmp_path, capsys):
+    rc = main(["train", "configs/quickstart.yaml", f"run_dir={tmp_path}", "checkpoint.dir=/proc/jaxpar-x"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "checkpoint.dir='/proc/jaxpar-x': cannot create or write /proc/jaxpar-x: No such file" in err, err
+    assert "Traceback" not in err and not list(tmp_path.rglob("metrics.jsonl"))

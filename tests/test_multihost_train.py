@@ -162,6 +162,34 @@ def test_sigkill_ends_the_group_restart_resumes_then_on_fewer_processes(work, re
     close(losses(run), reference, range(1, STEPS + 1))
 
 
+def test_damage_seen_by_one_process_makes_both_fall_back_together(work):
+    """Steps 2 and 4 saved by 2 processes; on resume process 1 (only) reads step 4's meta file
+    truncated, as from a host with a damaged copy. Both warn naming process 1 and the file, and
+    both resume from step 2 (not each from its own newest readable step), reproducing the first
+    run's losses of steps 3 and 4."""
+    run, short = work / "damaged", ["train.steps=4", "checkpoint.every=2"]
+    rc, lines = launch(work, run, "--max-restarts", "1", overrides=short)
+    assert rc == 0, text(lines)
+    first = losses(run)
+    meta4 = run / "mh" / "checkpoints" / "4" / "meta" / "metadata"
+    assert json.loads(meta4.read_text())["step"] == 4  # whole on disk, for process 0
+    rc, lines = launch(work, run, "--max-restarts", "1", overrides=short,
+                       spec={"damaged_view": {"rank": 1, "file": str(meta4)}})
+    out = text(lines)
+    assert rc == 0, out
+    warned = re.findall(r"^\[(\d)\] jaxpar: warning: checkpoint (\S+) is unusable \(on process (\d): (.*)\); "
+                        r"(.*)$", out, re.M)
+    assert {w[0] for w in warned} == {"0", "1"} and {w[2] for w in warned} == {"1"}, out
+    assert all(w[1].endswith("checkpoints/4") and str(meta4) in w[3] for w in warned), warned
+    assert any(w[4] == "falling back to step 2" for w in warned), warned  # restore, after the plan
+    assert re.search(r"^\[0\]\s+resumed from\b.*checkpoints/2 \(step 2", out, re.M), out
+    read = dict(re.findall(r"^\[(\d)\] data steps read: (.*)$", out, re.M))
+    assert read == {"0": "[2, 3]", "1": "[2, 3]"}, out  # both went on from step 2
+    again = losses(run)
+    assert sorted(again) == [1, 2, 3, 4]
+    close(again, first, [3, 4])
+
+
 # ---------------------------------------------------------------- the driver (each process)
 
 
@@ -200,9 +228,15 @@ def _main(spec: dict) -> int:
                 print(f"killing myself at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    view = spec.get("damaged_view") or {}
+    if view.get("rank") == rank:  # this process reads that file truncated (its copy is damaged)
+        read_text = Path.read_text
+        Path.read_text = lambda p, *a, **kw: (read_text(p, *a, **kw)[:20] if str(p) == view["file"]
+                                              else read_text(p, *a, **kw))
     build = observe.build_callbacks
     observe.build_callbacks = lambda *a, **kw: build(*a, **kw) + [Kill()]
     rc = main(spec["argv"])
+    print(f"data steps read: {json.dumps(sorted(rows))}", flush=True)
     per_step = {tuple(sorted(r)) for r in rows.values()}
     if len(per_step) == 1:
         print(f"rows read per step: {json.dumps(list(per_step.pop()))}", flush=True)

@@ -163,11 +163,12 @@ class Trainer:
 
     def make_checkpointer(self, out_dir: Path | None = None):
         """The run's Checkpointer (`checkpoint.dir` or `<out_dir>/checkpoints`), or None when off."""
-        from jaxpar.checkpoint import Checkpointer
+        from jaxpar.checkpoint import Checkpointer, checkpoint_dir, ensure_writable
         c = self.cfg.checkpoint
         if not c.enabled:
             return None
-        root = Path(c.dir) if c.dir else Path(out_dir if out_dir is not None else self.cfg.out_dir) / "checkpoints"
+        root = checkpoint_dir(self.cfg, out_dir)
+        ensure_writable(root, self.cfg)
         return Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save,
                             log=self.log)
 
@@ -191,8 +192,7 @@ class Trainer:
         from jaxpar.checkpoint import checkpoint_dir, plan_resume
         if not self.cfg.checkpoint.enabled:
             return None, 0, "checkpoints off"
-        own = (Path(self.cfg.checkpoint.dir) if self.cfg.checkpoint.dir else
-               Path(out_dir) / "checkpoints" if out_dir is not None else checkpoint_dir(self.cfg))
+        own = checkpoint_dir(self.cfg, out_dir)
         if plan is None:  # the trainer is built: its layout stays as it is
             plan = plan_resume(self.cfg, self.mesh.devices.size, own_root=own)
             plan.changes = []
@@ -231,7 +231,8 @@ class Trainer:
 
     def _own_ckpt(self, root: Path):
         if self.checkpointer is None or self.checkpointer.root != root.absolute():
-            from jaxpar.checkpoint import Checkpointer
+            from jaxpar.checkpoint import Checkpointer, ensure_writable
+            ensure_writable(root, self.cfg)
             c = self.cfg.checkpoint
             self.checkpointer = Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every,
                                              async_save=c.async_save, log=self.log)
@@ -274,7 +275,8 @@ class Trainer:
         out_dir = Path(out_dir) if out_dir is not None else None
         ckpt = None
         if out_dir is not None and cfg.checkpoint.enabled:
-            ckpt = self._own_ckpt(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out_dir / "checkpoints")
+            from jaxpar.checkpoint import checkpoint_dir
+            ckpt = self._own_ckpt(checkpoint_dir(cfg, out_dir))
             if state is None:
                 state, start_step, where = self.restore(out_dir=out_dir)
                 if state is not None:
@@ -409,9 +411,11 @@ def _mib(n: int) -> str:
 def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None = None) -> list[dict]:
     """What `jaxpar train` does: plan the resume (adapting the layout to the device count), print
     the resolved config, save it, compile, restore, train; save on SIGTERM/SIGINT and return."""
-    from jaxpar.checkpoint import ResumePlan, plan_resume
+    from jaxpar.checkpoint import ResumePlan, checkpoint_dir, ensure_writable, plan_resume
     from jaxpar.distributed import initialize
     initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
+    if cfg.checkpoint.enabled:  # a checkpoint dir that cannot be written fails before compiling
+        ensure_writable(checkpoint_dir(cfg), cfg)
     plan = plan_resume(cfg) if cfg.checkpoint.enabled else ResumePlan(cfg)
     cfg = plan.cfg
     for change in plan.changes:
