@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -143,7 +144,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         return logits, dict(sown)
 
     if ctx.never_save:  # ZeRO-3: embeddings and head are gathered again for the backward too
-        forward = jax.checkpoint(forward, policy=nn.remat_policy("none", ctx.never_save))
+        forward = never_save_ends(model, ctx, lambda st: _prepare_top(st, prepare, stacked))
 
     def local_loss(params, tokens, n_tokens):
         logits, sown = forward(params, tokens[:, :-1])
@@ -223,6 +224,66 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
 def _like(tree, ref):
     """`tree` in the dtypes of `ref` (both branches of a cond must agree exactly)."""
     return jax.tree.map(lambda x, r: x.astype(r.dtype), tree, ref)
+
+
+class _Stop(Exception):
+    def __init__(self, value):
+        super().__init__("stopped at the layer scan")
+        self.value = value
+
+
+def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> Callable:
+    """forward(params, tokens) -> (logits, sown) for ZeRO-3. What the model runs before its
+    scan_layers call (the embedding) and after it (final norm, head) each run under a checkpoint
+    that saves everything but the gathered weights (ctx.never_save), so the backward gathers them
+    again; the layer scan runs between the two, outside any checkpoint, so that its per-layer
+    policy (train.remat, which never saves the gathers either) is the one that acts. A checkpoint
+    around the whole forward would not do: JAX partial-evaluates a checkpoint nested in another
+    with the outer one's policy, which silently replaced every train.remat by "save all but the
+    gathers". A model that never calls scan_layers runs whole under the checkpoint."""
+    policy = nn.remat_policy("none", ctx.never_save)
+    weights: dict = {}  # sown name -> loss weight (static, so kept out of the checkpoints)
+    fired: list = []
+
+    def call(params, tokens, hook, prep: bool):
+        state = model.state(params)
+        if prep:
+            state = prepare_top(state)
+        try:
+            with nn.use_context(dataclasses.replace(ctx, layers_hook=hook)), nn.collect_aux() as sown:
+                out = model.merge(state)(tokens)
+        except _Stop as stop:
+            out = stop.value
+        weights.update((k, w) for k, (_, w) in sown.items())
+        return out, {k: v for k, (v, _) in sown.items()}
+
+    def stop(stack, carry, fn):
+        fired.append(True)
+        raise _Stop(carry)
+
+    def pre(params, tokens):
+        return call(params, tokens, stop, True)
+
+    def layers(params, x, tokens):
+        def scan(stack, carry, fn):
+            raise _Stop(nn.scan_stack(stack, x, fn))
+        return call(params, tokens, scan, False)[0]
+
+    def post(params, y, tokens):
+        return call(params, tokens, lambda stack, carry, fn: y, True)
+
+    def forward(params, tokens):
+        fired.clear()
+        x, sown_pre = jax.checkpoint(pre, policy=policy)(params, tokens)
+        if not fired:  # no layer scan: `pre` ran the whole model
+            return x, {k: (v, weights[k]) for k, v in sown_pre.items()}
+        y = layers(params, x, tokens)
+        logits, sown_post = jax.checkpoint(post, policy=policy)(params, y, tokens)
+        # `post` runs the prologue again (dead code but for the gathers the head shares): what
+        # the prologue sowed is taken from `pre`
+        return logits, {k: (v, weights[k]) for k, v in {**sown_post, **sown_pre}.items()}
+
+    return forward
 
 
 def add_sown(loss: jax.Array, sown: dict, share: float):

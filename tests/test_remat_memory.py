@@ -1,0 +1,41 @@
+"""train.remat acts at every ZeRO stage and with the pipeline: XLA's compiled temp bytes (AOT
+compile on abstract inputs, nothing runs) at a shape where activations dominate.
+
+Until issue #12 item 8, ZeRO-3 wrapped the whole forward in a checkpoint, whose policy JAX
+imposes on the layer scan's checkpoint nested inside: remat full cost as much as none."""
+import pytest
+
+from jaxpar.train.trainer import Trainer
+from tests.conftest import tiny_config
+
+# dim 256, 4 layers, vocab 256, seq 1024, float32, one sequence per device on 8 devices
+SHAPE = ["model.preset=small", "model.n_layers=4", "train.seq_len=1024", "train.global_batch=8"]
+LAYOUTS = {
+    "zero0-data8": ["mesh.data=8", "sharding.zero_stage=0"],
+    "zero1-fsdp8": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=1"],
+    "zero2-fsdp8": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=2"],
+    "zero3-fsdp8": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=3"],
+    "pp2-data4": ["mesh.data=4", "mesh.pipeline=2", "sharding.zero_stage=0", "pipeline.microbatches=2"],
+}
+
+
+def temp_bytes(layout, remat, devices):
+    t = Trainer(tiny_config(*SHAPE, *LAYOUTS[layout], f"train.remat={remat}"), devices=devices,
+                log=lambda s: None)
+    return t.compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.slow  # two AOT compiles per layout (~10-25 s each on 2 busy cores)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_remat_full_halves_temp_memory(layout, devices):
+    none, full = temp_bytes(layout, "none", devices), temp_bytes(layout, "full", devices)
+    assert full <= 0.5 * none, (layout, none, full)
+
+
+@pytest.mark.slow
+def test_zero3_dots_policies_act(devices):
+    """The two dots policies sit between none and full at ZeRO-3 too (measured: none 0.47 GiB,
+    dots_saveable 0.31, dots_with_no_batch_dims_saveable 0.18, full 0.15)."""
+    none = temp_bytes("zero3-fsdp8", "none", devices)
+    for remat in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
+        assert temp_bytes("zero3-fsdp8", remat, devices) <= 0.8 * none, remat
