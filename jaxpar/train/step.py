@@ -105,11 +105,15 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int,
                     pipeline: Any = None,
                     compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
-                    loss_sum_fn: Callable = cross_entropy_sum, skip_nonfinite: bool = False):
+                    loss_sum_fn: Callable = cross_entropy_sum, skip_nonfinite: bool = False,
+                    return_grads: bool = False):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
     [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
     or gradient norm is not finite leaves params and optimizer state unchanged (the step counter
-    still advances) and reports metrics["nonfinite"] = 1."""
+    still advances) and reports metrics["nonfinite"] = 1. With `return_grads` (a debug
+    aid: tests/grad_util.py) metrics["grads"] is what the optimizer receives, after the data-
+    parallel reduction: the mean gradient (replica-stacked under local SGD; 1-bit Adam after its
+    warm-up hands over its reduced momentum instead)."""
     pipelined = plan.mesh.shape.get("pipeline", 1) > 1  # `pipeline`: a config.PipelineConfig
     manual = frozenset(plan.batch_axes) | ({"pipeline"} if pipelined else set())
     cdt = DTYPES[compute_dtype]
@@ -205,6 +209,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             metrics["nonfinite"] = jnp.logical_not(ok).astype(jnp.int32)
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(state["step"])
+        if return_grads:
+            metrics["grads"] = grads
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         if comm:
             if "nonfinite" in metrics:  # a skipped step keeps its error-feedback residuals too
