@@ -149,13 +149,19 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     if ctx.never_save:  # ZeRO-3: embeddings and head are gathered again for the backward too
         forward = jax.checkpoint(forward, policy=nn.remat_policy("none", ctx.never_save))
 
+    # The devices one gradient is averaged over: every batch device, or under local SGD the
+    # devices of one replica (each replica's gradient is the mean over its own share of the batch).
+    replicas = spec.local_sgd
+    n_replicas = replicas.replicas if replicas else 1
+    group = plan.batch_size_divisor // n_replicas
+
     def local_loss(params, tokens, n_tokens):
         logits, sown = forward(params, tokens[:, :-1])
         loss = loss_sum_fn(logits, tokens[:, 1:]) / n_tokens
-        return add_sown(loss, sown, 1.0 / (plan.batch_size_divisor * grad_accum))
+        return add_sown(loss, sown, 1.0 / (group * grad_accum))
 
     def local_grads(params, tokens, comm, extra):
-        n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * plan.batch_size_divisor
+        n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * group
         mbs = tokens.reshape(grad_accum, tokens.shape[0] // grad_accum, tokens.shape[1])
 
         def body(acc, mb):
@@ -175,11 +181,12 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         # of the psum's axes changes the rounding of the loss between processes
         busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
         total = lambda x: jax.lax.psum(x, busy) if busy else x
+        if n_replicas > 1:  # the replicas' means, averaged
+            total = lambda x, _sum=total: _sum(x) / n_replicas
         return (total(losses.sum()), jax.tree.map(lambda a: total(a.sum(0)), aux)), grads, comm
 
     comm_specs = spec.reducer.state_specs() if "comm" in spec.state_shardings else {}
     extra_specs = spec.reducer.extra_specs(grad_out) if spec.reducer is not None else {}
-    replicas = spec.local_sgd
     sharded_grads = jax.shard_map(
         replicas.wrap(local_grads) if replicas else local_grads, mesh=plan.mesh,
         in_specs=(replicas.replica_specs(param_in) if replicas else param_in, plan.batch_spec(), comm_specs, extra_specs),
@@ -193,7 +200,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         extra = spec.reducer.extra_inputs(state) if spec.reducer is not None else {}
         (loss, aux), grads, comm = sharded_grads(replicas.params_in(state) if replicas else state["params"], tokens, state.get("comm", {}), extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
+        grad_norm = replicas.grad_norm(grads) if replicas else (
+            optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads))
         local = None
         if replicas:  # local SGD: each replica steps alone; every sync_every steps they meet
             params, opt_state, local = replicas.update(tx, grads, state)
