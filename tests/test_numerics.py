@@ -4,8 +4,10 @@ import jax
 import numpy as np
 import pytest
 
+from jaxpar.config import ConfigError, make_config
+from jaxpar.train.optimizer import decay_mask, schedule
 from tests.conftest import tiny_config
-from tests.grad_util import global_norm, grad_trainer, run_steps
+from tests.grad_util import global_norm, grad_trainer, run_steps, to_numpy
 
 LR = ["optimizer.warmup_steps=0", "optimizer.lr=1e-3"]  # a non-zero learning rate from step 1
 
@@ -48,3 +50,48 @@ def test_local_sgd_sync_every_1_is_data_parallel(devices):
     for a, b in zip(off, one):
         assert_trees_close(b["grads"], a["grads"], rtol=0, atol=0)
         assert b["loss"] == a["loss"] and b["grad_norm"] == a["grad_norm"]
+
+
+# --------------------------------------------------------------------------- 1-bit Adam
+
+def test_onebit_warmup_zero_is_refused():
+    with pytest.raises(ConfigError, match=r"optimizer.onebit_warmup_steps = 0: .*onebit_warmup_steps >= 1"):
+        make_config({}, ["optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=0"])
+
+
+def test_onebit_adam_one_device_is_frozen_variance_momentum(devices):
+    """One device: nothing to reduce, yet after the warm-up the optimizer gets the momentum
+    b1 m + (1 - b1) g and steps with the frozen variance and clipping factor (numpy reference;
+    g from a plain AdamW step at the same params)."""
+    common = [*LR, "mesh.data=1", "train.steps=4", "optimizer.clip_norm=0.5"]
+    cfg = tiny_config(*common, "optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=1")
+    o = cfg.optimizer
+    trainer, step = grad_trainer(cfg, devices[:1])
+    plain, plain_step = grad_trainer(tiny_config(*common), devices[:1])
+    lr = schedule(o, cfg.train.steps)
+    mask = decay_mask(trainer.model.axes)
+    state = trainer.init_state()
+    state, _ = step(state, trainer.loader.batch(0))  # the exact-Adam warm-up step
+    for i in (1, 2):  # two steps with frozen variance
+        before = to_numpy(state)
+        p, (mu, nu, clip) = before["params"], (before["opt_state"].mu, before["opt_state"].nu,
+                                              before["opt_state"].clip)
+        ref_state = {**plain.init_state(), "params": jax.device_put(before["params"],
+                                                                     plain.spec.state_shardings["params"])}
+        _, ref = plain_step(ref_state, plain.loader.batch(i))
+        g = to_numpy(ref["grads"])
+        state, m = step(state, trainer.loader.batch(i))
+        after = to_numpy(state)
+        momentum = jax.tree.map(lambda m_, g_: o.b1 * m_ + (1 - o.b1) * g_, mu, g)
+        assert_trees_close(to_numpy(m["grads"]), momentum, rtol=1e-5, atol=1e-8)
+        new_mu = jax.tree.map(lambda m_, g_: o.b1 * m_ + (1 - o.b1) * clip * g_, mu, g)
+        t = i + 1
+        bc1, bc2 = 1 - o.b1 ** t, 1 - o.b2 ** 1  # the variance froze after 1 step
+        step_lr = float(lr(i))
+        new_p = jax.tree.map(
+            lambda p_, m_, v_, d: p_ - step_lr * (m_ / bc1 / (np.sqrt(v_ / bc2) + o.eps) + (o.weight_decay * p_ if d else 0)),
+            p, new_mu, nu, mask)
+        assert_trees_close(after["opt_state"].mu, new_mu, rtol=1e-4, atol=1e-8)
+        assert_trees_close(after["opt_state"].nu, nu, rtol=0, atol=0)
+        assert_trees_close(after["params"], new_p, rtol=1e-5, atol=1e-6)
+        assert float(after["opt_state"].clip) == float(clip) < 1  # the clipping factor froze (and clips)

@@ -220,7 +220,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         if return_grads:
             metrics["grads"] = grads
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-        if comm:
+        if "comm" in state:  # (1-bit Adam on one device: an empty one, still part of the state)
             if "nonfinite" in metrics:  # a skipped step keeps its error-feedback residuals too
                 comm = jax.tree.map(lambda new, old: jnp.where(metrics["nonfinite"] == 0, new, old),
                                     comm, state["comm"])
