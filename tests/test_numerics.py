@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, make_config
-from jaxpar.train.optimizer import decay_mask, schedule
+from jaxpar.train.optimizer import decay_mask, schedule, schedule_count
 from tests.conftest import tiny_config
-from tests.grad_util import global_norm, grad_trainer, run_steps, to_numpy
+from tests.grad_util import global_norm, grad_trainer, place_batch, run_steps, to_numpy
 
 LR = ["optimizer.warmup_steps=0", "optimizer.lr=1e-3"]  # a non-zero learning rate from step 1
 
@@ -95,3 +95,34 @@ def test_onebit_adam_one_device_is_frozen_variance_momentum(devices):
         assert_trees_close(after["opt_state"].nu, nu, rtol=0, atol=0)
         assert_trees_close(after["params"], new_p, rtol=1e-5, atol=1e-6)
         assert float(after["opt_state"].clip) == float(clip) < 1  # the clipping factor froze (and clips)
+
+
+# --------------------------------------------------------------------------- skipped steps
+
+def nan_on_negative_target(logits, targets):
+    """Cross entropy, NaN for a batch holding a negative target (the injected bad step)."""
+    import jax.numpy as jnp
+    from jaxpar.train.step import cross_entropy_sum
+    return cross_entropy_sum(logits, targets) * jnp.where(targets.min() < 0, jnp.nan, 1.0)
+
+
+def test_skipped_step_logs_the_applied_lr(devices):
+    """After a skipped non-finite step the optimizer's count lags the step; the logged lr is the
+    schedule at that count (the lr applied), not at the step."""
+    cfg = tiny_config("optimizer.warmup_steps=4", "optimizer.lr=1e-3", "mesh.data=1", "train.steps=8",
+                      "train.skip_nonfinite=true")
+    trainer, _ = grad_trainer(cfg, devices[:1])
+    step = trainer.make_step(loss_sum_fn=nan_on_negative_target)
+    lr = schedule(cfg.optimizer, cfg.train.steps)
+    state, applied = trainer.init_state(), 0
+    for i in range(4):
+        tokens = np.array(trainer.loader.batch(i))
+        if i == 1:
+            tokens[0, 1] = -1
+        state, m = step(state, place_batch(trainer, tokens))
+        assert int(m["nonfinite"]) == (i == 1)
+        np.testing.assert_allclose(float(m["lr"]), float(lr(applied)), rtol=1e-6)
+        if i > 1:
+            assert float(m["lr"]) != pytest.approx(float(lr(i)))  # the step's own lr differs
+        applied += i != 1
+        assert int(schedule_count(state["opt_state"])) == applied

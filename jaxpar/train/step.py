@@ -22,6 +22,7 @@ from jaxpar.parallel.expert import expert_hook
 from jaxpar.parallel.tensor import activation_constrainer
 from jaxpar.sharding import Plan
 from jaxpar.train.model import ModelDef
+from jaxpar.train.optimizer import schedule_count
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -110,7 +111,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
     [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
     or gradient norm is not finite leaves params and optimizer state unchanged (the step counter
-    still advances) and reports metrics["nonfinite"] = 1. With `return_grads` (a debug
+    still advances) and reports metrics["nonfinite"] = 1. metrics["lr"] is the schedule at the
+    optimizer's own count (the learning rate applied this step). With `return_grads` (a debug
     aid: tests/grad_util.py) metrics["grads"] is what the optimizer receives, after the data-
     parallel reduction: the mean gradient (replica-stacked under local SGD; 1-bit Adam after its
     warm-up hands over its reduced momentum instead)."""
@@ -215,8 +217,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             params = jax.tree.map(keep, params, state["params"])
             opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
             metrics["nonfinite"] = jnp.logical_not(ok).astype(jnp.int32)
-        if lr_schedule is not None:
-            metrics["lr"] = lr_schedule(state["step"])
+        if lr_schedule is not None:  # a skipped step does not advance the optimizer's count
+            metrics["lr"] = lr_schedule(schedule_count(state["opt_state"]))
         if return_grads:
             metrics["grads"] = grads
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
