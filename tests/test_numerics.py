@@ -1,11 +1,13 @@
 """Trustworthy numerics (issue #12): the gradient the optimizer receives, compared with the same
 computation on one device, unsharded (tests/grad_util.py); the optimizer updates by hand."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxpar.config import ConfigError, make_config
 from jaxpar.train.optimizer import decay_mask, schedule, schedule_count
+from jaxpar.train.step import cross_entropy_sum
 from tests.conftest import tiny_config
 from tests.grad_util import global_norm, grad_trainer, place_batch, run_steps, to_numpy
 
@@ -27,21 +29,20 @@ MODELS = {"dense": [], "moe": ["model.preset=moe_tiny", "model.n_layers=2"]}  # 
 def test_local_sgd_replica_grads_match_one_device(model, devices):
     """Each replica's first-step gradient is the one-device gradient of its share of the batch."""
     cfg = tiny_config(*LR, *MODELS[model], *LOCAL, "local_sgd.sync_every=4")
-    trainer, _ = grad_trainer(cfg, devices)
-    tokens = np.asarray(trainer.loader.batch(0))
-    (m,) = run_steps(cfg, 1, devices)
-    grads = m["grads"]
-    replicas, rows = 4, tokens.shape[0] // 4  # the batch is split data-major: replica r, rows r*4..
-    norms = []
-    for r in (0, 3):
-        ref_cfg = tiny_config(*LR, *MODELS[model], "mesh.data=1", f"train.global_batch={rows}")
-        (ref,) = run_steps(ref_cfg, 1, devices[:1], batches=[tokens[r * rows:(r + 1) * rows]])
-        assert_trees_close(jax.tree.map(lambda g: g[r], grads), ref["grads"], rtol=1e-4, atol=1e-6)
-        norms.append(ref["grad_norm"])
+    trainer, step = grad_trainer(cfg, devices)
+    tokens = trainer.loader.batch(0)
+    _, m = step(trainer.init_state(), tokens)
+    m, tokens = to_numpy(m), np.asarray(tokens)
+    replicas, r = 4, 3
+    rows = tokens.shape[0] // replicas  # the batch is split data-major: replica r holds rows r*4..
+    ref_cfg = tiny_config(*LR, *MODELS[model], "mesh.data=1", f"train.global_batch={rows}")
+    (ref,) = run_steps(ref_cfg, 1, devices[:1], batches=[tokens[r * rows:(r + 1) * rows]])
+    replica = lambda i: jax.tree.map(lambda g: g[i], m["grads"])
+    assert_trees_close(replica(r), ref["grads"], rtol=1e-4, atol=1e-6)
     # the logged norm: root mean square of the replicas' norms (each replica clips its own)
-    per_replica = [global_norm(jax.tree.map(lambda g: g[r], grads)) for r in range(replicas)]
-    np.testing.assert_allclose(per_replica[0], norms[0], rtol=1e-5)
-    np.testing.assert_allclose(m["grad_norm"], np.sqrt(np.mean(np.square(per_replica))), rtol=1e-5)
+    norms = [global_norm(replica(i)) for i in range(replicas)]
+    np.testing.assert_allclose(norms[r], ref["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(m["grad_norm"], np.sqrt(np.mean(np.square(norms))), rtol=1e-5)
 
 
 def test_local_sgd_sync_every_1_is_data_parallel(devices):
@@ -101,8 +102,6 @@ def test_onebit_adam_one_device_is_frozen_variance_momentum(devices):
 
 def nan_on_negative_target(logits, targets):
     """Cross entropy, NaN for a batch holding a negative target (the injected bad step)."""
-    import jax.numpy as jnp
-    from jaxpar.train.step import cross_entropy_sum
     return cross_entropy_sum(logits, targets) * jnp.where(targets.min() < 0, jnp.nan, 1.0)
 
 
