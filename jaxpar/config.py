@@ -220,7 +220,16 @@ class OptimizerConfig(Strict):
     # `onebit_adam`: exact Adam for `onebit_warmup_steps`, then frozen variance and momentum
     # reduced with 1-bit compression (signs + block scales) and error feedback.
     name: Literal["adamw", "onebit_adam"] = "adamw"
-    onebit_warmup_steps: int = Field(100, ge=0)
+    onebit_warmup_steps: int = 100
+
+    @field_validator("onebit_warmup_steps")
+    @classmethod
+    def _onebit_warmup(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(
+                f"1-bit Adam estimates its (then frozen) variance during the warm-up, so it needs at "
+                f"least one step of it: use onebit_warmup_steps >= 1 (default 100), not {v}")
+        return v
 
 
 class GradientCompressionConfig(Strict):

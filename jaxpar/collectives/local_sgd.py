@@ -13,7 +13,9 @@ all-reduce every step, so the `data` reduction traffic is divided by H.
   after a sync every replica restarts from state["params"].
 
 Inside the step's shard_map, gradients are summed over the batch axes except `data` (fsdp and
-expert still reduce within a replica); clipping is per replica. Needs mesh.data > 1, parameters
+expert still reduce within a replica): each replica's gradient is the mean over its own share of
+the batch (what one device would compute on those rows); clipping is per replica and the logged
+grad_norm is the root mean square of the replicas' norms. Needs mesh.data > 1, parameters
 not sharded over `data`, no gradient compression, AdamW, no pipeline.
 """
 from __future__ import annotations
@@ -87,6 +89,12 @@ class LocalSGD:
             loss, grads, comm = local_grads(params, tokens, comm, extra)
             return loss, jax.tree.map(lambda g: g[None], grads), comm
         return body
+
+    def grad_norm(self, grads) -> jax.Array:
+        """The root mean square of the replicas' gradient norms (each replica clips its own)."""
+        sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
+                 for g in jax.tree.leaves(grads))
+        return jnp.sqrt(jnp.mean(sq))
 
     def params_in(self, state):
         return state["local"]["params"]

@@ -67,7 +67,7 @@ def onebit_adam(cfg, total_steps: int, axes_tree) -> optax.GradientTransformatio
         nu = jax.tree.map(lambda v, a: jnp.where(warm, b2 * v + (1 - b2) * a * a, v), state.nu, g)
         t = count + 1
         bc1 = 1 - b1 ** t.astype(jnp.float32)
-        bc2 = 1 - b2 ** jnp.minimum(t, max(warmup, 1)).astype(jnp.float32)
+        bc2 = 1 - b2 ** jnp.minimum(t, warmup).astype(jnp.float32)  # warmup >= 1 (config)
         step = lr(count)
 
         def upd(m, v, p, decay):
@@ -119,9 +119,11 @@ class OneBitAdamReducer(GradientReducer):
                     n_of[i] *= sizes[a]
 
         def compressed(comm):
-            # sum over devices of (b1 m / n + (1 - b1) g_local) = b1 m + (1 - b1) g
+            # sum over devices of (b1 m / n + (1 - b1) g_local) = b1 m + (1 - b1) g; a gradient
+            # with no axis to reduce over (n = 1: one device, or expert weights when the other
+            # batch axes are 1) is not in a bucket, so _compressed hands this momentum back as it is
             local = [self.b1 * m / n_of.get(i, 1) + (1 - self.b1) * g.astype(jnp.float32)
-                     if i in n_of else g.astype(jnp.float32) for i, (g, m) in enumerate(zip(leaves, mus))]
+                     for i, (g, m) in enumerate(zip(leaves, mus))]
             return self._compressed(jax.tree.unflatten(self.treedef, local), comm)
 
         def warm(comm):
@@ -132,6 +134,4 @@ class OneBitAdamReducer(GradientReducer):
             out = [o.astype(jnp.float32) for o in out]
             return jax.tree.unflatten(self.treedef, out), comm
 
-        if self.warmup == 0:
-            return compressed(comm)
         return jax.lax.cond(extra["count"] >= self.warmup, compressed, warm, comm)

@@ -16,6 +16,18 @@ def schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def schedule_count(opt_state) -> jax.Array:
+    """The step count the learning-rate schedule is read at: optax's ScaleByScheduleState (AdamW),
+    else the first state with a `count` (1-bit Adam's). Skipped non-finite steps leave it behind
+    the train step. Replica-stacked states (local SGD) step together: their first row."""
+    has_count = lambda x: "count" in getattr(x, "_fields", ())  # a NamedTuple state with a count
+    counted = [x for x in jax.tree.leaves(opt_state, is_leaf=has_count) if has_count(x)]
+    sched = [x for x in counted if isinstance(x, optax.ScaleByScheduleState)]
+    if not counted:
+        raise ValueError("the optimizer state has no step count to read the learning-rate schedule at")
+    return (sched or counted)[0].count.reshape(-1)[0]
+
+
 def decay_mask(axes_tree: dict) -> dict:
     return jax.tree.map(lambda ax: len(ax) >= 2 and "norm" not in ax and "bias" not in ax,
                         axes_tree, is_leaf=lambda x: isinstance(x, tuple))

@@ -23,6 +23,7 @@ from jaxpar.parallel.expert import expert_hook
 from jaxpar.parallel.tensor import activation_constrainer
 from jaxpar.sharding import Plan
 from jaxpar.train.model import ModelDef
+from jaxpar.train.optimizer import schedule_count
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -106,11 +107,16 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int,
                     pipeline: Any = None,
                     compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
-                    loss_sum_fn: Callable = cross_entropy_sum, skip_nonfinite: bool = False):
+                    loss_sum_fn: Callable = cross_entropy_sum, skip_nonfinite: bool = False,
+                    return_grads: bool = False):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
     [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
     or gradient norm is not finite leaves params and optimizer state unchanged (the step counter
-    still advances) and reports metrics["nonfinite"] = 1."""
+    still advances) and reports metrics["nonfinite"] = 1. metrics["lr"] is the schedule at the
+    optimizer's own count (the learning rate applied this step). With `return_grads` (a debug
+    aid: tests/grad_util.py) metrics["grads"] is what the optimizer receives, after the data-
+    parallel reduction: the mean gradient (replica-stacked under local SGD; 1-bit Adam after its
+    warm-up hands over its reduced momentum instead)."""
     pipelined = plan.mesh.shape.get("pipeline", 1) > 1  # `pipeline`: a config.PipelineConfig
     manual = frozenset(plan.batch_axes) | ({"pipeline"} if pipelined else set())
     cdt = DTYPES[compute_dtype]
@@ -146,13 +152,19 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     if ctx.never_save:  # ZeRO-3: embeddings and head are gathered again for the backward too
         forward = never_save_ends(model, ctx, lambda st: _prepare_top(st, prepare, stacked))
 
+    # The devices one gradient is averaged over: every batch device, or under local SGD the
+    # devices of one replica (each replica's gradient is the mean over its own share of the batch).
+    replicas = spec.local_sgd
+    n_replicas = replicas.replicas if replicas else 1
+    group = plan.batch_size_divisor // n_replicas
+
     def local_loss(params, tokens, n_tokens):
         logits, sown = forward(params, tokens[:, :-1])
         loss = loss_sum_fn(logits, tokens[:, 1:]) / n_tokens
-        return add_sown(loss, sown, 1.0 / (plan.batch_size_divisor * grad_accum))
+        return add_sown(loss, sown, 1.0 / (group * grad_accum))
 
     def local_grads(params, tokens, comm, extra):
-        n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * plan.batch_size_divisor
+        n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * group
         mbs = tokens.reshape(grad_accum, tokens.shape[0] // grad_accum, tokens.shape[1])
 
         def body(acc, mb):
@@ -172,11 +184,12 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         # of the psum's axes changes the rounding of the loss between processes
         busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
         total = lambda x: jax.lax.psum(x, busy) if busy else x
+        if n_replicas > 1:  # the replicas' means, averaged
+            total = lambda x, _sum=total: _sum(x) / n_replicas
         return (total(losses.sum()), jax.tree.map(lambda a: total(a.sum(0)), aux)), grads, comm
 
     comm_specs = spec.reducer.state_specs() if "comm" in spec.state_shardings else {}
     extra_specs = spec.reducer.extra_specs(grad_out) if spec.reducer is not None else {}
-    replicas = spec.local_sgd
     sharded_grads = jax.shard_map(
         replicas.wrap(local_grads) if replicas else local_grads, mesh=plan.mesh,
         in_specs=(replicas.replica_specs(param_in) if replicas else param_in, plan.batch_spec(), comm_specs, extra_specs),
@@ -202,7 +215,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         extra = spec.reducer.extra_inputs(state) if spec.reducer is not None else {}
         (loss, aux), grads, comm = sharded_grads(replicas.params_in(state) if replicas else state["params"], tokens, state.get("comm", {}), extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        grad_norm = optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)
+        grad_norm = replicas.grad_norm(grads) if replicas else (
+            optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads))
         metrics = {"loss": loss, "grad_norm": grad_norm, **flat_metrics(aux)}
         if skip_nonfinite:
             # A skipped step keeps params, optimizer, reducer and replica state. One cond, not a
@@ -213,8 +227,10 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             metrics["nonfinite"] = jnp.logical_not(ok).astype(jnp.int32)
         else:
             new_state = apply(state, grads, comm)
-        if lr_schedule is not None:
-            metrics["lr"] = lr_schedule(state["step"])
+        if lr_schedule is not None:  # a skipped step does not advance the optimizer's count
+            metrics["lr"] = lr_schedule(schedule_count(state["opt_state"]))
+        if return_grads:
+            metrics["grads"] = grads
         return {"step": state["step"] + 1, **new_state}, metrics
 
     return jax.jit(step, in_shardings=(spec.state_shardings, spec.batch_sharding),

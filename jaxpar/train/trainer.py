@@ -97,11 +97,7 @@ class Trainer:
         for path, sds in self.model.leaves_with_paths(self.model.shapes).items():
             named[path] = (flat_specs[path], sds.shape, np.dtype(DTYPES[cfg.train.param_dtype]).itemsize)
         self.replication = check_replication(self.plan, named)
-        self.step_fn = make_train_step(
-            self.model, self.plan, self.tx, self.spec, grad_accum=cfg.train.grad_accum,
-            pipeline=cfg.pipeline,
-            compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat, lr_schedule=self.lr_schedule,
-            skip_nonfinite=cfg.train.skip_nonfinite)
+        self.step_fn = self.make_step()
         self.init_fn = make_init(self.model, self.tx, self.spec, DTYPES[cfg.train.param_dtype])
         vocab = getattr(cfg.model, "vocab_size", 256)
         self.loader = DataLoader(build_source(cfg.data, vocab, cfg.train.seed), cfg.train.global_batch,
@@ -114,6 +110,14 @@ class Trainer:
         self.skipped_batches: list[int] = []  # data steps never trained on (nonfinite_rollback)
         self.preempted: str | None = None   # the signal that stopped the last fit, if any
         self.checkpointer = None
+
+    def make_step(self, **overrides):
+        """The jitted train step of this config; `overrides` go to make_train_step (tests and
+        debugging: return_grads=True, a loss_sum_fn)."""
+        cfg = self.cfg
+        kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline, compute_dtype=cfg.train.compute_dtype,
+                  remat=cfg.train.remat, lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite)
+        return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
 
     def _flops_per_token(self, custom: bool) -> float:
         n = self.model.n_params

@@ -1,0 +1,54 @@
+"""The gradient the optimizer receives, for numerics tests: a Trainer's step built with
+`return_grads=True` (metrics["grads"]: after the data-parallel reduction, before clipping).
+
+    grads, norm = first_step_grads(tiny_config(...), devices)            # numpy pytree, float
+    grads, norm = first_step_grads(ref_cfg, devices[:1], batch=rows)     # a given [b, seq+1] batch
+
+Compare a layout's grads with the one-device, unsharded run of the same batch (see
+tests/test_numerics.py): an optimizer step hides a gradient off by a constant factor.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxpar.train.trainer import Trainer
+
+
+def grad_trainer(cfg, devices=None) -> tuple[Trainer, callable]:
+    """(trainer, step) where step(state, batch) -> (state, metrics) also returns metrics["grads"]."""
+    trainer = Trainer(cfg, devices=devices, log=lambda s: None)
+    return trainer, trainer.make_step(return_grads=True)
+
+
+def place_batch(trainer: Trainer, batch) -> jax.Array:
+    """A host [global_batch, seq+1] int array laid out as the trainer's step expects."""
+    return jax.device_put(np.asarray(batch, np.int32), trainer.spec.batch_sharding)
+
+
+def to_numpy(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def first_step_grads(cfg, devices=None, batch=None) -> tuple[dict, float]:
+    """(grads as a numpy pytree shaped like the params, global norm) of the first step of `cfg`
+    from its fresh state, on the trainer's batch 0 or on `batch` (host tokens). Under local SGD
+    the grads are replica-stacked ([replicas, ...]) and the norm is the logged grad_norm."""
+    metrics = run_steps(cfg, 1, devices, batches=None if batch is None else [batch])[0]
+    return metrics["grads"], float(metrics["grad_norm"])
+
+
+def run_steps(cfg, steps: int, devices=None, batches=None) -> list[dict]:
+    """The numpy metrics (grads included) of `steps` steps of `cfg` from its fresh state, on the
+    trainer's batches 0, 1, ... or on the host `batches`."""
+    trainer, step = grad_trainer(cfg, devices)
+    state, out = trainer.init_state(), []
+    for i in range(steps):
+        tokens = trainer.loader.batch(i) if batches is None else place_batch(trainer, batches[i])
+        state, metrics = step(state, tokens)
+        out.append(to_numpy(metrics))
+    return out
+
+
+def global_norm(tree) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))
