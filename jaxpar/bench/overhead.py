@@ -107,6 +107,14 @@ def build_baseline(cfg: Config, mesh, batch_sharding: NamedSharding, param_shard
     return jax.jit(init, out_shardings=(p_sh, o_sh)), step_jit
 
 
+def jaxpar_shardings(trainer):
+    """(param shardings, optimizer per-param shardings) of jaxpar's plan, for the baseline."""
+    plan, model = trainer.plan, trainer.model
+    sh = lambda use: jax.tree.map(lambda ax, s: plan.sharding(plan.spec(ax, s.shape, use)),
+                                  model.axes, model.shapes, is_leaf=lambda x: isinstance(x, tuple))
+    return sh("param"), sh("opt")
+
+
 def _norm(tree):
     return optax.tree.norm(tree) if hasattr(optax, "tree") else optax.global_norm(tree)
 
@@ -130,11 +138,8 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, warmup: int = 
     batch = trainer.loader.batch(0)
     jp_state = trainer.init_state()
 
-    plan, model = trainer.plan, trainer.model  # the baseline gets jaxpar's param/opt shardings
-    sh = lambda use: jax.tree.map(lambda ax, s: plan.sharding(plan.spec(ax, s.shape, use)),
-                                  model.axes, model.shapes, is_leaf=lambda x: isinstance(x, tuple))
-    shardings = (sh("param"), sh("opt"))
-    init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding, *(shardings or ()))
+    # the baseline gets jaxpar's param/opt shardings
+    init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding, *jaxpar_shardings(trainer))
     params, opt_state = init()
     t0 = time.perf_counter()
     bl_step = bl_jit.lower(params, opt_state, batch).compile()
@@ -222,10 +227,7 @@ def compiled_structure(cfg: Config) -> dict:
     state = jax.eval_shape(trainer.init_fn, cfg.train.seed)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
                          trainer.spec.state_shardings)
-    plan, model = trainer.plan, trainer.model
-    sh = lambda use: jax.tree.map(lambda ax, s: plan.sharding(plan.spec(ax, s.shape, use)),
-                                  model.axes, model.shapes, is_leaf=lambda x: isinstance(x, tuple))
-    init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding, sh("param"), sh("opt"))
+    init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding, *jaxpar_shardings(trainer))
     params, opt_state = jax.eval_shape(init)
     out = {}
     for name, compiled in (("jaxpar", trainer.step_fn.lower(state, batch).compile()),
