@@ -12,7 +12,7 @@ from jaxpar.config import make_config  # noqa: E402
 TINY = [
     "model.preset=tiny", "model.n_layers=2", "train.global_batch=16", "train.seq_len=32",
     "train.compute_dtype=float32", "train.progress=false", "data.source=synthetic",
-    "optimizer.warmup_steps=1", "train.steps=3",
+    "optimizer.warmup_steps=0", "train.steps=3",  # lr non-zero from step 1
 ]
 
 

@@ -141,7 +141,8 @@ def test_powersgd_error_feedback_loses_nothing(devices):
 
 # --------------------------------------------------------------------------- training
 
-DP = ["mesh.data=8", "sharding.zero_stage=0", "train.steps=3", "optimizer.lr=3e-3"]
+# decay_steps fixed: runs of different lengths (1-bit Adam: 5 steps) share one schedule
+DP = ["mesh.data=8", "sharding.zero_stage=0", "train.steps=3", "optimizer.lr=3e-3", "optimizer.decay_steps=10"]
 METHODS = ["none", "bf16", "int8", "onebit", "topk", "powersgd"]  # fp16: codec and reduction tests above
 EXTRA = {"topk": ["gradient_compression.topk_fraction=0.1", "gradient_compression.warmup_steps=1"]}
 WARMUP = 2  # 1-bit Adam: with a 1-step warm-up the frozen variance is one squared gradient: it diverges

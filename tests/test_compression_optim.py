@@ -50,6 +50,30 @@ def test_local_sgd_replicas_step_alone_then_average(local_sgd):
         np.testing.assert_array_equal(np.asarray(r)[0], np.asarray(p))
 
 
+def test_local_sgd_sync_averages_independent_replica_runs(local_sgd, devices):
+    """Reference: each of the 8 replicas trained alone on one device on its rows of the batch
+    (split data-major) for the 2 steps before the first sync; the synced params are their mean."""
+    t, _, _ = local_sgd
+    steps = t.cfg.train.steps
+    t.cfg.train.steps = 2
+    synced, _ = t.fit(progress=False)
+    t.cfg.train.steps = steps
+    batches = [np.asarray(t.loader.batch(i)) for i in range(2)]
+    rows = batches[0].shape[0] // 8
+    alone = Trainer(tiny_config(*DP, "train.steps=3", "mesh.data=1", f"train.global_batch={rows}"),
+                    devices=devices[:1], log=lambda s: None)
+    finals = []
+    for r in range(8):
+        state = alone.init_state()
+        for b in batches:
+            state, _ = alone.step_fn(state, jax.device_put(b[r * rows:(r + 1) * rows], alone.spec.batch_sharding))
+        finals.append(jax.tree.map(np.asarray, jax.device_get(state["params"])))
+    mean = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *finals)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(synced["params"])),
+                            jax.tree.leaves(mean)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
 def test_local_sgd_moves_no_gradients(local_sgd):
     """The only large collective is the parameter all-reduce of the sync (in a conditional)."""
     t, _, _ = local_sgd

@@ -5,18 +5,15 @@ import jax
 import numpy as np
 import pytest
 
-from tests.pipeline_util import build, tokens_for
+from tests.pipeline_util import step_metrics
 
 MOE = ["model.preset=moe_tiny", "model.n_layers=2", "sharding.replicated_tolerance=1.0",
        "train.global_batch=8", "train.seq_len=16", "train.grad_accum=2", "model.moe.capacity_factor=1.0"]
 
 
 def step_once(overrides, devices):
-    cfg, spec, step, init = build(MOE + overrides, devices)
-    tokens = jax.device_put(tokens_for(cfg), spec.batch_sharding)
-    state, metrics = step(init(cfg.train.seed), tokens)
-    grads = jax.tree.map(np.asarray, jax.device_get(state["opt_state"]["g"]))
-    return {k: float(v) for k, v in jax.device_get(metrics).items()}, grads
+    m = step_metrics(MOE + overrides, devices)
+    return {k: float(v) for k, v in m.items() if k != "grads"}, m["grads"]
 
 
 def test_moe_pipeline_matches_one_device(devices):
