@@ -124,8 +124,9 @@ REDUCE = ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=2", "train.grad_acc
 
 def test_bf16_gradient_reduction_is_within_bf16_of_float32(devices):
     """grad_reduce_dtype=bfloat16 (ZeRO-2's per-microbatch reduce-scatter over fsdp and the
-    all-reduce over data, both in bf16; on CPU the reduce-scatter is an all-reduce and a slice)
-    gives the float32 reduction's gradient up to bf16 rounding, and not bit for bit."""
+    all-reduce over data, of bf16 gradients; on CPU summed in float32, see
+    jaxpar.parallel.data.native_bf16_collectives) gives the float32 reduction's gradient up to
+    bf16 rounding, and not bit for bit."""
     from tests.grad_util import first_step_grads
     ref, _ = first_step_grads(tiny_config(*REDUCE), devices)
     got, _ = first_step_grads(tiny_config(*REDUCE, "train.grad_reduce_dtype=bfloat16"), devices)
@@ -139,9 +140,10 @@ def test_bf16_gradient_reduction_is_within_bf16_of_float32(devices):
 
 
 def _collectives(text: str, op: str) -> set[str]:
-    """The element types of the `op` collectives in a StableHLO module's text."""
-    lines = [ln for ln in text.splitlines() if f"stablehlo.{op}" in ln]
-    return {t for ln in lines for t in re.findall(r"tensor<[0-9x]*x?(bf16|f32)>", ln.split("->")[-1])}
+    """The result element types of the `op` collectives in a StableHLO module's text (each op's
+    reduction region sits between its name and its type signature)."""
+    pattern = rf'"stablehlo\.{op}".*?\}}\) : \([^)]*\) -> tensor<[0-9x]*?x?(bf16|f32)>'
+    return set(re.findall(pattern, text, flags=re.S))
 
 
 def _lowered(cfg, devices) -> str:
@@ -152,14 +154,14 @@ def _lowered(cfg, devices) -> str:
 
 
 def test_bf16_reduction_wire_dtype_in_the_lowered_program(devices, monkeypatch):
-    """The gradient collectives carry bf16 (float32 by default). On a backend with a native bf16
-    reduce-scatter (GPU, TPU) ZeRO-3's reduce-scatter is bf16; on CPU it is a bf16 all-reduce
-    (XLA:CPU widens that to float32 when it compiles: the CPU saves no bytes)."""
+    """The gradient collectives carry float32 by default, bf16 with grad_reduce_dtype=bfloat16
+    on a backend with bf16 collectives (GPU, TPU; stood in for here): ZeRO-3's reduce-scatter
+    over fsdp. On CPU they stay float32 (XLA:CPU would widen them anyway, and aborts on some)."""
     zero3 = ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=3"]
     assert _collectives(_lowered(tiny_config(*zero3), devices), "reduce_scatter") == {"f32"}
     cpu = _lowered(tiny_config(*zero3, "train.grad_reduce_dtype=bfloat16"), devices)
-    assert _collectives(cpu, "reduce_scatter") == set() and "bf16" in _collectives(cpu, "all_reduce")
-    monkeypatch.setattr(data_parallel, "native_bf16_reduce_scatter", lambda: True)
+    assert _collectives(cpu, "reduce_scatter") == {"f32"}
+    monkeypatch.setattr(data_parallel, "native_bf16_collectives", lambda: True)
     gpu = _lowered(tiny_config(*zero3, "train.grad_reduce_dtype=bfloat16"), devices)
     assert _collectives(gpu, "reduce_scatter") == {"bf16"}
 

@@ -43,19 +43,29 @@ def _gather(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]]) -> jax.Array:
     return x
 
 
-def native_bf16_reduce_scatter() -> bool:
-    """Whether the backend runs a bf16 reduce-scatter (XLA:CPU aborts on one)."""
+def native_bf16_collectives() -> bool:
+    """Whether the backend reduces bf16 natively. XLA:CPU does not: it widens bf16 collectives
+    to float32, aborts on a bf16 reduce-scatter and (jax 0.12.0.1) crashes promoting some bf16
+    all-reduces of the train step (AllReducePromotion: "Invalid binary instruction opcode copy")."""
     return jax.default_backend() != "cpu"
 
 
+def _on_wire(collective, x: jax.Array) -> jax.Array:
+    """collective(x); a bf16 x on a backend without bf16 collectives goes in float32 (the same
+    numbers as XLA:CPU's widening: bf16 inputs summed in float32, the sum rounded to bf16)."""
+    if x.dtype != jnp.bfloat16 or native_bf16_collectives():
+        return collective(x)
+    return collective(x.astype(jnp.float32)).astype(x.dtype)
+
+
 def reduce_scatter(x: jax.Array, names: tuple[str, ...], dim: int) -> jax.Array:
-    """psum_scatter, tiled. XLA:CPU aborts on a bf16 reduce-scatter: there (only) a bf16 one is
-    an all-reduce (which XLA:CPU runs in float32) and a slice of this device's chunk; the
-    numbers are the same, the bytes those of the all-reduce. GPUs and TPUs reduce in bf16."""
-    if x.dtype != jnp.bfloat16 or native_bf16_reduce_scatter():
-        return jax.lax.psum_scatter(x, names, scatter_dimension=dim, tiled=True)
-    n = x.shape[dim] // jax.lax.psum(1, names)
-    return jax.lax.dynamic_slice_in_dim(jax.lax.psum(x, names), jax.lax.axis_index(names) * n, n, dim)
+    """The tiled psum_scatter of a gradient in its own dtype (see _on_wire)."""
+    return _on_wire(lambda y: jax.lax.psum_scatter(y, names, scatter_dimension=dim, tiled=True), x)
+
+
+def all_reduce(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """The psum of a gradient in its own dtype (see _on_wire)."""
+    return _on_wire(lambda y: jax.lax.psum(y, names), x)
 
 
 def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype, grad_dtype=None) -> jax.Array:
@@ -143,7 +153,7 @@ def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[st
                 g = reduce_scatter(g, todo, dim)
         done = {a for _, names in sharded_dims(out, manual) for a in names}
         rest = tuple(sorted(a for a in manual if a not in done and sizes[a] > 1))
-        return jax.lax.psum(g, rest) if rest else g
+        return all_reduce(g, rest) if rest else g
 
     return jax.tree.map(reduce, grads, grad_specs, grad_specs if out_specs is None else out_specs,
                         is_leaf=lambda x: isinstance(x, P))
