@@ -215,6 +215,9 @@ class OptimizerConfig(Strict):
     b1: float = Field(0.9, ge=0, lt=1)
     b2: float = Field(0.95, ge=0, lt=1)
     eps: float = Field(1e-8, gt=0)
+    # AdamW's first moment; the second is float32 (optax keeps it in the dtype of the weights it
+    # updates: the float32 init, or the float32 masters of bf16 params, see train.master_dtype)
+    mu_dtype: Literal["float32", "bfloat16"] = "float32"
     weight_decay: float = Field(0.1, ge=0)
     clip_norm: float | None = Field(1.0, gt=0)
     # `onebit_adam`: exact Adam for `onebit_warmup_steps`, then frozen variance and momentum
@@ -302,6 +305,11 @@ class TrainConfig(Strict):
     grad_accum: int = Field(1, gt=0)
     seed: int = 0
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Mixed precision (jaxpar/train/precision.py): with bf16 params the optimizer keeps float32
+    # master weights (master_dtype: bfloat16 is pure bf16, no masters). grad_reduce_dtype: the
+    # dtype of the data-parallel gradient reduction on the wire (accumulation is float32).
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
     log_every: int = Field(1, gt=0)

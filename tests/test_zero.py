@@ -7,6 +7,7 @@ import pytest
 
 from jaxpar.metrics import collective_bytes
 from jaxpar.sharding import per_device_bytes
+from jaxpar.train.step import grad_dtype
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 
@@ -17,12 +18,15 @@ def placed(tree, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
 
-def bytes_per_device(stage, devices):
-    t = Trainer(tiny_config("mesh.data=1", f"mesh.fsdp={N}", f"sharding.zero_stage={stage}"), devices=devices)
+def bytes_per_device(stage, devices, *overrides):
+    cfg = tiny_config("mesh.data=1", f"mesh.fsdp={N}", f"sharding.zero_stage={stage}", *overrides)
+    t = Trainer(cfg, devices=devices)
     state = t.abstract_state()
     sh = t.spec.state_shardings
-    grads = placed(t.model.shapes, jax.tree.map(t.plan.sharding, t.spec.grad_specs,
-                                                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    gdt = grad_dtype(cfg.train.grad_accum, cfg.train.grad_reduce_dtype)  # what the step holds
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, gdt), t.model.shapes)
+    grads = placed(shapes, jax.tree.map(t.plan.sharding, t.spec.grad_specs,
+                                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
     total = 4 * t.model.n_params
     return total, {
         "params": per_device_bytes(placed(state["params"], sh["params"])),
@@ -42,6 +46,19 @@ def test_bytes_per_device_follow_zero_formula(stage, devices):
     slack = 0.01 * psi4
     for k in want:
         assert abs(got[k] - want[k]) <= slack + 64, (k, got[k], want[k])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mixed_precision_bytes_follow_zero_formula(stage, devices):
+    """The paper's mixed precision, 2 + 2 + 12 bytes per param: bf16 params and gradients
+    (train.grad_reduce_dtype=bfloat16, one microbatch), float32 masters, mu and nu."""
+    psi4, got = bytes_per_device(stage, devices, "train.param_dtype=bfloat16", "train.grad_reduce_dtype=bfloat16")
+    psi = psi4 // 4
+    want = {"params": 2 * psi / N if stage >= 3 else 2 * psi,
+            "grads": 2 * psi / N if stage >= 2 else 2 * psi,
+            "opt": 12 * psi / N if stage >= 1 else 12 * psi}
+    for k in want:
+        assert abs(got[k] - want[k]) <= 0.03 * psi + 64, (k, got[k], want[k])
 
 
 def test_gradients_are_reduce_scattered_not_all_reduced(devices):

@@ -24,7 +24,8 @@ is sharded over (fsdp from ZeRO-1), B = all batch axes, A = train.grad_accum:
     same wire volume as data parallel];
   - stage 2: as stage 1 but one reduce-scatter per microbatch (A of them);
   - stage 3: per microbatch, all-gather forward + all-gather again in the backward (result L
-    each, in the compute dtype) and one reduce-scatter of the gradient (in L, compute dtype);
+    each, in the compute dtype) and one reduce-scatter of the gradient (in L, in
+    train.grad_reduce_dtype, as every gradient reduction here);
     all-reduce of the shard over B minus Z; no all-gather after the update.
 Scalars (loss, grad-norm partial sums) are left out of the analytic figure.
 The rough formula is the same for the whole model with Psi params (4 bytes each), N = |Z|:
@@ -95,8 +96,10 @@ def _names(entry) -> tuple[str, ...]:
 
 
 def analytic(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_itemsize: int,
-             compute_itemsize: int) -> dict[str, dict]:
-    """The minimum per-device result and wire bytes per kind for `plan` (see module doc)."""
+             compute_itemsize: int, grad_itemsize: int | None = None) -> dict[str, dict]:
+    """The minimum per-device result and wire bytes per kind for `plan` (see module doc);
+    gradients reduced in `grad_itemsize` bytes (train.grad_reduce_dtype; default param_itemsize)."""
+    gsz = grad_itemsize or param_itemsize
     mesh = plan.mesh.shape
     batch = tuple(a for a in plan.batch_axes if mesh[a] > 1)
     size = lambda axes: math.prod(mesh[a] for a in axes)
@@ -118,17 +121,16 @@ def analytic(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_items
         z = tuple(a for e in opt for a in _names(e) if a in batch)
         nz, rest = size(z), tuple(a for a in batch if a not in z)
         if plan.zero_stage == 0 or nz == 1:
-            add("all-reduce", elems * param_itemsize, size(batch))
+            add("all-reduce", elems * gsz, size(batch))
         elif plan.zero_stage in (1, 2):
-            L = elems * param_itemsize
-            add("reduce-scatter", L / nz, nz, grad_accum if plan.zero_stage == 2 else 1)
-            add("all-reduce", L / nz, size(rest))
-            add("all-gather", L, nz)
+            add("reduce-scatter", elems * gsz / nz, nz, grad_accum if plan.zero_stage == 2 else 1)
+            add("all-reduce", elems * gsz / nz, size(rest))
+            add("all-gather", elems * param_itemsize, nz)
         else:
             L = elems * compute_itemsize
             add("all-gather", L, nz, 2 * grad_accum)
-            add("reduce-scatter", L / nz, nz, grad_accum)
-            add("all-reduce", elems * param_itemsize / nz, size(rest))
+            add("reduce-scatter", elems * gsz / nz, nz, grad_accum)
+            add("all-reduce", elems * gsz / nz, size(rest))
     return out
 
 
@@ -160,7 +162,8 @@ def measure_layout(cfg: Config, label: str) -> dict:
     meas = measured(hlo, n_dev)
     ana = analytic(plan, trainer.model.axes, trainer.model.shapes, grad_accum=t.grad_accum,
                    param_itemsize=np.dtype(DTYPES[t.param_dtype]).itemsize,
-                   compute_itemsize=np.dtype(DTYPES[t.compute_dtype]).itemsize)
+                   compute_itemsize=np.dtype(DTYPES[t.compute_dtype]).itemsize,
+                   grad_itemsize=np.dtype(DTYPES[t.grad_reduce_dtype]).itemsize)
     n_z = trainer.mesh.shape[ZERO_AXIS]
     rgh = rough(trainer.model.n_params, n_z, plan.zero_stage, t.grad_accum, dp=label == "dp")
     kinds = {}

@@ -9,11 +9,12 @@ fsdp=8 on 8 devices), one Trainer and:
   - temp / args: XLA's compile-time buffer plan of the step (`compiled.memory_analysis()`):
     temp covers activations, gradients and gathered weights; args the state and the batch.
 
-ZeRO paper formula (Rajbhandari et al. 2020, sec. 5), with Psi params, N_d = fsdp size and
-jaxpar's fp32 AdamW: params 4 Psi, grads 4 Psi, optimizer state K Psi with K = 8 (mu and nu in
-fp32). Our params *are* the fp32 master weights (param_dtype float32), so there is no separate
-2-byte copy as in the paper's mixed-precision accounting (which has 2 + 2 + 12 bytes/param).
-  stage 0: 4 + 4 + 8;  stage 1: 4 + 4 + 8/N_d;  stage 2: 4 + (4 + 8)/N_d;  stage 3: (4 + 4 + 8)/N_d.
+ZeRO paper formula (Rajbhandari et al. 2020, sec. 5), with Psi params, N_d = fsdp size, params
+P Psi, grads G Psi, optimizer state K Psi; from the config (`itemsizes`): P = 4 and K = 8 (mu, nu)
+in float32; with bf16 params P = 2 and K = 12 (float32 masters, mu, nu: the paper's mixed
+precision), G = 4 when microbatches are accumulated (float32), else grad_reduce_dtype's size
+(2 + 2 + 12 bytes/param with train.grad_reduce_dtype=bfloat16, as in the paper).
+  stage 0: P + G + K;  stage 1: P + G + K/N_d;  stage 2: P + (G + K)/N_d;  stage 3: (P + G + K)/N_d.
 Parameters the plan does not shard (norm scales: 1-D, no `embed` dim) stay replicated, so the
 measured figures sit slightly above Psi/N_d.
 """
@@ -32,16 +33,26 @@ from jaxpar.config import Config
 from jaxpar.mesh import describe
 from jaxpar.metrics import compiled_memory
 from jaxpar.sharding import ZERO_AXIS, per_device_bytes
-from jaxpar.train.step import DTYPES
+from jaxpar.train.precision import has_masters
+from jaxpar.train.step import DTYPES, grad_dtype
 
 LAYOUT: list[str] = mesh_overrides(fsdp=-1)
 STAGES = (0, 1, 2, 3)
 QUANTITIES = ("params", "grads", "opt_state")
 
 
-def paper_formula(n_params: int, n_d: int, stage: int, itemsize: int = 4) -> dict[str, float]:
-    """Per-device bytes by the ZeRO paper for params / grads / Adam state (mu, nu) in `itemsize`."""
-    p, g, o = itemsize * n_params, itemsize * n_params, 2 * itemsize * n_params
+def itemsizes(cfg: Config) -> dict[str, int]:
+    """Bytes per param of params, grads (as the step holds them) and AdamW state (K)."""
+    t = cfg.train
+    size = lambda name: np.dtype(DTYPES[name]).itemsize
+    opt = (size(t.master_dtype) if has_masters(t) else 0) + size(cfg.optimizer.mu_dtype) + 4
+    return {"params": size(t.param_dtype), "grads": np.dtype(grad_dtype(t.grad_accum, t.grad_reduce_dtype)).itemsize,
+            "opt_state": opt}
+
+
+def paper_formula(n_params: int, n_d: int, stage: int, sizes: dict[str, int]) -> dict[str, float]:
+    """Per-device bytes by the ZeRO paper for params / grads / Adam state (`itemsizes`)."""
+    p, g, o = (sizes[q] * n_params for q in QUANTITIES)
     return {"params": p / n_d if stage >= 3 else p,
             "grads": g / n_d if stage >= 2 else g,
             "opt_state": o / n_d if stage >= 1 else o}
@@ -57,12 +68,14 @@ def measure_stage(cfg: Config, stage: int) -> dict:
     state = trainer.abstract_state()
     grad_sh = jax.tree.map(trainer.plan.sharding, trainer.spec.grad_specs,
                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    gdt = grad_dtype(cfg.train.grad_accum, cfg.train.grad_reduce_dtype)
+    grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, gdt), state["params"])
     t0 = time.perf_counter()
     mem = compiled_memory(trainer.compile())
     return {
         "trainer": trainer,
         "params": per_device_bytes(abstract_with(state["params"], sh["params"])),
-        "grads": per_device_bytes(abstract_with(state["params"], grad_sh)),
+        "grads": per_device_bytes(abstract_with(grads, grad_sh)),
         "opt_state": per_device_bytes(abstract_with(state["opt_state"], sh["opt_state"])),
         "compiled": {k: mem.get(k) for k in ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
                                              "total_bytes")},
@@ -79,13 +92,13 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, stages=STAGES)
         tr = m.pop("trainer")
         if not out:
             n = tr.model.n_params
-            itemsize = np.dtype(DTYPES[cfg.train.param_dtype]).itemsize
+            sizes = itemsizes(cfg)
             n_d = tr.mesh.shape[ZERO_AXIS]
             unsharded = unsharded_params(tr)
             out = {"mesh": describe(tr.mesh), "mesh_shape": dict(tr.mesh.shape), "n_params": n,
-                   "param_itemsize": itemsize, "n_d": n_d, "unsharded_params": unsharded,
+                   "itemsizes": sizes, "param_itemsize": sizes["params"], "n_d": n_d, "unsharded_params": unsharded,
                    **describe_config(cfg)}
-        formula = paper_formula(out["n_params"], out["n_d"], stage, out["param_itemsize"])
+        formula = paper_formula(out["n_params"], out["n_d"], stage, out["itemsizes"])
         rows.append({
             "zero_stage": stage,
             **{q: {"measured": m[q], "formula": formula[q], "ratio": ratio(m[q], formula[q])}
@@ -118,9 +131,9 @@ def _axes_of(spec) -> set[str]:
 
 
 def format_result(res: dict) -> str:
-    n, n_d = res["n_params"], res["n_d"]
+    n, n_d, sz = res["n_params"], res["n_d"], res["itemsizes"]
     head = (f"memory per device: {res['mesh']}, {n:,} params (Psi), N_d = fsdp = {n_d}; "
-            f"fp32 master params + fp32 AdamW mu/nu (K = {2 * res['param_itemsize']})\n"
+            f"bytes/param: params {sz['params']}, grads {sz['grads']}, optimizer state K = {sz['opt_state']}\n"
             f"{res['unsharded_params']:,} params ({res['unsharded_params'] / n:.2%}) have no dim the plan "
             f"shards over fsdp (norm scales) and stay replicated at every stage")
     rows = []

@@ -43,10 +43,35 @@ def _gather(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]]) -> jax.Array:
     return x
 
 
-def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype) -> jax.Array:
+def native_bf16_collectives() -> bool:
+    """Whether the backend reduces bf16 natively. XLA:CPU does not: it widens bf16 collectives
+    to float32, aborts on a bf16 reduce-scatter and (jax 0.12.0.1) crashes promoting some bf16
+    all-reduces of the train step (AllReducePromotion: "Invalid binary instruction opcode copy")."""
+    return jax.default_backend() != "cpu"
+
+
+def _on_wire(collective, x: jax.Array) -> jax.Array:
+    """collective(x); a bf16 x on a backend without bf16 collectives goes in float32 (the same
+    numbers as XLA:CPU's widening: bf16 inputs summed in float32, the sum rounded to bf16)."""
+    if x.dtype != jnp.bfloat16 or native_bf16_collectives():
+        return collective(x)
+    return collective(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def reduce_scatter(x: jax.Array, names: tuple[str, ...], dim: int) -> jax.Array:
+    """The tiled psum_scatter of a gradient in its own dtype (see _on_wire)."""
+    return _on_wire(lambda y: jax.lax.psum_scatter(y, names, scatter_dimension=dim, tiled=True), x)
+
+
+def all_reduce(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """The psum of a gradient in its own dtype (see _on_wire)."""
+    return _on_wire(lambda y: jax.lax.psum(y, names), x)
+
+
+def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype, grad_dtype=None) -> jax.Array:
     """All-gather a shard in the compute dtype (bf16 on the wire); the backward reduce-scatters
-    the gradient in the shard's own dtype (fp32 for fp32 masters: exact, and XLA's CPU backend
-    aborts on a bf16 reduce-scatter). `jaxpar.nn`'s remat policy never saves its output."""
+    the gradient in `grad_dtype` (train.grad_reduce_dtype; default the shard's own dtype) and
+    hands it back in the shard's dtype. `jaxpar.nn`'s remat policy never saves its output."""
     @jax.custom_vjp
     def gather(y):
         return _gather(y.astype(dtype), dims)
@@ -55,16 +80,16 @@ def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype) -> j
         return gather(y), None
 
     def bwd(_, g):
-        g = g.astype(x.dtype)
+        g = g.astype(grad_dtype or x.dtype)
         for dim, names in reversed(dims):
-            g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
-        return (g,)
+            g = reduce_scatter(g, names, dim)
+        return (g.astype(x.dtype),)
 
     gather.defvjp(fwd, bwd)
     return gather(x)
 
 
-def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callable:
+def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype, grad_dtype=None) -> callable:
     """Returns prepare(state, stacked, cast_only=False) -> state: cast each param to the compute
     dtype and, at ZeRO-3, all-gather its `fsdp` shards. The gathered weights are named GATHERED,
     which the layer scan's remat policy never saves: the backward gathers again instead of
@@ -74,6 +99,7 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callabl
     leave the rest for the scan. Casting the whole stack once, outside the scan, is what a plain
     jit does; per layer inside it, the backward converts and transposes each layer's gradient in
     float32 (twice the bytes) and the forward carries the float32 stack through the loop.
+    `grad_dtype`: the dtype of ZeRO-3's gradient reduce-scatter (see gather_in).
     """
     gather_axes = {ZERO_AXIS} & manual if plan.zero_stage >= 3 else set()
 
@@ -85,8 +111,8 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callabl
         if gather_axes and axes is not None:
             axes = tuple(axes[1:]) if stacked else tuple(axes)
             dims = sharded_dims(plan.spec(axes, None, "param"), gather_axes)
-        if dims:  # the gather casts its shard itself (bf16 on the wire, fp32 reduce-scatter back)
-            return var if cast_only else var.replace(checkpoint_name(gather_in(x, dims, dtype), GATHERED))
+        if dims:  # the gather casts its shard itself (bf16 on the wire; grads back in grad_dtype)
+            return var if cast_only else var.replace(checkpoint_name(gather_in(x, dims, dtype, grad_dtype), GATHERED))
         return var.replace(x.astype(dtype)) if x.dtype != dtype else var
 
     def prepare(state, stacked: bool, cast_only: bool = False):
@@ -96,34 +122,38 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype) -> callabl
     return prepare
 
 
-def scatter_microbatch_grads(grads, grad_specs, plan: Plan, manual: frozenset[str]):
-    """ZeRO-2: reduce-scatter each microbatch's gradients over `fsdp` as soon as they exist."""
+def scatter_microbatch_grads(grads, grad_specs, plan: Plan, manual: frozenset[str], dtype=None):
+    """ZeRO-2: reduce-scatter each microbatch's gradients over `fsdp` as soon as they exist (in
+    `dtype`, train.grad_reduce_dtype, when given)."""
     if plan.zero_stage != 2 or ZERO_AXIS not in manual:
         return grads
 
     def scatter(g, spec):
+        g = g if dtype is None else g.astype(dtype)
         for dim, names in sharded_dims(spec, {ZERO_AXIS}):
-            g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+            g = reduce_scatter(g, names, dim)
         return g
 
     return jax.tree.map(scatter, grads, grad_specs)
 
 
 def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[str, int],
-                       out_specs=None):
+                       out_specs=None, dtype=None):
     """Reduce the accumulated gradients (laid out as `grad_specs`) to `out_specs` (default: the
     same): reduce-scatter the dims `out_specs` shards that are still whole (ZeRO-1 hands the
     optimizer only its shard, so it needs no more bytes than DP), then all-reduce over the batch
-    axes left (axes of size 1 move nothing and are skipped)."""
+    axes left (axes of size 1 move nothing and are skipped). `dtype`: the wire dtype (the
+    gradients are cast to it first; default: as they come)."""
     def reduce(g, spec, out):
+        g = g if dtype is None else g.astype(dtype)
         have = {a for _, names in sharded_dims(spec, manual) for a in names}
         for dim, names in sharded_dims(out, manual):
             todo = tuple(a for a in names if a not in have and sizes[a] > 1)
             if todo:
-                g = jax.lax.psum_scatter(g, todo, scatter_dimension=dim, tiled=True)
+                g = reduce_scatter(g, todo, dim)
         done = {a for _, names in sharded_dims(out, manual) for a in names}
         rest = tuple(sorted(a for a in manual if a not in done and sizes[a] > 1))
-        return jax.lax.psum(g, rest) if rest else g
+        return all_reduce(g, rest) if rest else g
 
     return jax.tree.map(reduce, grads, grad_specs, grad_specs if out_specs is None else out_specs,
                         is_leaf=lambda x: isinstance(x, P))
@@ -131,12 +161,12 @@ def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[st
 
 def reduce_data_parallel(grads, grad_specs, manual: frozenset[str], sizes: dict[str, int],
                          reducer=None, comm: dict | None = None, extra: dict | None = None,
-                         out_specs=None):
+                         out_specs=None, dtype=None):
     """The final data-parallel reduction: (grads, comm). Without a reducer (or with
-    gradient_compression.method none) the default psums above, bit for bit; with one
+    gradient_compression.method none) the default psums above (in `dtype`); with one
     (jaxpar.collectives.GradientReducer) the compressed reduction, whose error-feedback
     residuals `comm` (this device's rows of state["comm"]) come in and go out; `extra` is more
     of the state the reducer asked for (1-bit Adam: the optimizer's momentum and step)."""
     if reducer is None:
-        return reduce_final_grads(grads, grad_specs, manual, sizes, out_specs), {}
+        return reduce_final_grads(grads, grad_specs, manual, sizes, out_specs, dtype), {}
     return reducer.reduce(grads, comm, extra)

@@ -1,8 +1,9 @@
 """AdamW with warmup + cosine, global-norm clipping and a weight-decay mask (no decay on norms,
-biases or any 1-D parameter)."""
+biases or any 1-D parameter); mu in optimizer.mu_dtype. Master weights: jaxpar/train/precision.py."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxpar.config import OptimizerConfig
@@ -41,5 +42,6 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, axes_tree: dict) -> 
     if cfg.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     parts.append(optax.adamw(schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, mask=decay_mask(axes_tree)))
+                             mu_dtype=jnp.dtype(cfg.mu_dtype), weight_decay=cfg.weight_decay,
+                             mask=decay_mask(axes_tree)))
     return optax.chain(*parts)

@@ -46,6 +46,11 @@ class StepSpec:
     local_sgd: Any = None  # jaxpar.collectives.local_sgd.LocalSGD when replicas step alone
 
 
+def grad_dtype(grad_accum: int, grad_reduce_dtype: str):
+    """The dtype the step holds gradients in: float32 to accumulate microbatches, else the wire's."""
+    return jnp.float32 if grad_accum > 1 else DTYPES[grad_reduce_dtype]
+
+
 def _is_axes(x) -> bool:
     return isinstance(x, tuple)
 
@@ -94,8 +99,9 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
     """init(seed) -> train state, placed by the plan (each device builds only its shards)."""
     def init(seed):
         params = model.init(seed)
+        opt_state = tx.init(params)  # from the float32 init: master weights are exact
         params = jax.tree.map(lambda x: x.astype(param_dtype), params)
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
         if "comm" in spec.state_shardings:
             state["comm"] = spec.reducer.init_state()
         if spec.local_sgd is not None:
@@ -107,6 +113,7 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int,
                     pipeline: Any = None,
                     compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
+                    grad_reduce_dtype: str = "float32",
                     loss_sum_fn: Callable = cross_entropy_sum, skip_nonfinite: bool = False,
                     return_grads: bool = False):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
@@ -116,11 +123,13 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     optimizer's own count (the learning rate applied this step). With `return_grads` (a debug
     aid: tests/grad_util.py) metrics["grads"] is what the optimizer receives, after the data-
     parallel reduction: the mean gradient (replica-stacked under local SGD; 1-bit Adam after its
-    warm-up hands over its reduced momentum instead)."""
+    warm-up hands over its reduced momentum instead). Microbatch gradients are accumulated in
+    float32 and reduced over the batch axes in `grad_reduce_dtype` (train.grad_reduce_dtype)."""
     pipelined = plan.mesh.shape.get("pipeline", 1) > 1  # `pipeline`: a config.PipelineConfig
     manual = frozenset(plan.batch_axes) | ({"pipeline"} if pipelined else set())
     cdt = DTYPES[compute_dtype]
-    prepare = param_preparer(plan, manual, cdt)
+    rdt = DTYPES[grad_reduce_dtype]
+    prepare = param_preparer(plan, manual, cdt, rdt)
     ctx = nn.Context(constrain=activation_constrainer(plan, manual), experts=expert_hook(plan, manual),
                      layer_params=lambda st: prepare(st, stacked=True), remat=remat,
                      never_save=(GATHERED,) if plan.zero_stage >= 3 else ())
@@ -169,17 +178,17 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
 
         def body(acc, mb):
             (_, (loss, aux)), g = jax.value_and_grad(local_loss, has_aux=True)(params, mb, n_tokens)
-            g = scatter_microbatch_grads(g, grad_out, plan, manual)
-            return jax.tree.map(jnp.add, acc, g), (loss, aux)
+            g = scatter_microbatch_grads(g, grad_out, plan, manual, rdt)
+            return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g), (loss, aux)
 
         zeros = jax.eval_shape(lambda: scatter_microbatch_grads(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_out, plan, manual))
-        acc0 = jax.tree.map(lambda z, p: jnp.zeros(z.shape, p.dtype), zeros, params)
+        acc0 = jax.tree.map(lambda z: jnp.zeros(z.shape, grad_dtype(grad_accum, grad_reduce_dtype)), zeros)
         if run_pipeline is None:
             grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
         else:
             losses, grads, aux = run_pipeline(params, mbs, n_tokens)
-        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm, extra=extra, out_specs=final_out)
+        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm, extra=extra, out_specs=final_out, dtype=rdt)
         # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order
         # of the psum's axes changes the rounding of the loss between processes
         busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))

@@ -25,6 +25,7 @@ from jaxpar.metrics import (CompositeWriter, JsonlWriter, Progress, TensorBoardW
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import build_optimizer, schedule
+from jaxpar.train.precision import apply_precision, check_precision
 from jaxpar.train.step import DTYPES, make_init, make_step_spec, make_train_step
 
 
@@ -87,9 +88,10 @@ class Trainer:
                          cfg.sharding.replicated_tolerance)
         custom = self.model_factory is not None
         check_layout(cfg, self.plan, check_model=not custom)
+        check_precision(cfg)
         self.model = ModelDef.from_factory(self.model_factory or llama_model_factory(cfg))
         self.lr_schedule = schedule(cfg.optimizer, cfg.train.steps)
-        self.tx = build_optimizer(cfg.optimizer, cfg.train.steps, self.model.axes)
+        self.tx = apply_precision(build_optimizer(cfg.optimizer, cfg.train.steps, self.model.axes), cfg.train)
         self.spec = make_step_spec(self.model, self.plan, self.tx, compression=cfg.gradient_compression,
                                    optimizer=cfg.optimizer, local_sgd=cfg.local_sgd)
         named = {}
@@ -116,7 +118,8 @@ class Trainer:
         debugging: return_grads=True, a loss_sum_fn)."""
         cfg = self.cfg
         kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline, compute_dtype=cfg.train.compute_dtype,
-                  remat=cfg.train.remat, lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite)
+                  remat=cfg.train.remat, lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite,
+                  grad_reduce_dtype=cfg.train.grad_reduce_dtype)
         return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
 
     def _flops_per_token(self, custom: bool) -> float:
