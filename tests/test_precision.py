@@ -119,6 +119,21 @@ def test_grad_accumulation_is_float32_under_bf16_params(devices):
     assert len(carry) >= len(shapes) and {a.dtype for a in carry} == {jnp.dtype(jnp.float32)}, carry
 
 
+def test_pipeline_accumulates_in_float32_under_bf16_params(devices):
+    """The pipeline timetable's loop (not a microbatch scan) carries the embedding's gradient
+    accumulator in float32 too."""
+    cfg = tiny_config(*BF16, "mesh.data=1", "mesh.pipeline=2", "train.grad_accum=2",
+                      "sharding.replicated_tolerance=1.0")
+    trainer = Trainer(cfg, devices=devices[:2], log=lambda s: None)
+    t = cfg.train
+    batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), jnp.int32, sharding=trainer.spec.batch_sharding)
+    jaxpr = jax.make_jaxpr(trainer.step_fn)(trainer.abstract_state_sharded(), batch).jaxpr
+    embed = tuple(trainer.model.shapes["embed"].shape)
+    held = [v.aval.dtype for e in _eqns(jaxpr) if e.primitive.name == "scan"
+            for v in e.outvars if tuple(v.aval.shape) == embed]
+    assert held and set(held) == {jnp.dtype(jnp.float32)}, held
+
+
 REDUCE = ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=2", "train.grad_accum=2"]
 
 

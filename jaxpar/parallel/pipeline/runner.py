@@ -221,10 +221,12 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
 
         acc_top = jax.tree.map(jnp.zeros_like, jax.eval_shape(
             lambda: scatter(top, {n: flat_specs[n] for n in top})))
-        acc_top = {n: jnp.zeros(a.shape, top[n].dtype) for n, a in acc_top.items()}
+        # microbatch gradients accumulate in float32 whatever the params' dtype (bf16 would
+        # round each addition)
+        acc_top = {n: jnp.zeros(a.shape, jnp.float32) for n, a in acc_top.items()}
         acc_lay = jax.eval_shape(lambda: scatter({n: a[0] for n, a in lay.items()},
                                                  {n: flat_specs[n] for n in lay}))
-        acc_lay = {n: jnp.zeros((v, *a.shape), lay[n].dtype) for n, a in acc_lay.items()}
+        acc_lay = {n: jnp.zeros((v, *a.shape), jnp.float32) for n, a in acc_lay.items()}
         buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
         loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
         carry = (acc_top, acc_lay, loss0, buf(n_x), buf(n_g))
