@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import binfile, text
+from jaxpar.data import binfile, synthetic, text
 
 _M64 = 0xFFFF_FFFF_FFFF_FFFF
 
@@ -72,8 +72,6 @@ class StreamSource:
 
 def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
     """The token source `cfg` names, validated against the model's vocab_size."""
-    from jaxpar.data import synthetic  # here: synthetic imports row_keys from this module
-
     if cfg.source == "text":
         if vocab_size < text.VOCAB_SIZE:
             raise ConfigError(

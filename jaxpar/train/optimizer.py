@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.collectives.onebit_adam import onebit_adam
 from jaxpar.config import OptimizerConfig
 
 
@@ -36,7 +37,6 @@ def decay_mask(axes_tree: dict) -> dict:
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int, axes_tree: dict) -> optax.GradientTransformation:
     if getattr(cfg, "name", "adamw") == "onebit_adam":
-        from jaxpar.collectives.onebit_adam import onebit_adam
         return onebit_adam(cfg, total_steps, axes_tree)
     parts = []
     if cfg.clip_norm is not None:
