@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.collectives.onebit import OneBit
 from jaxpar.collectives.reducer import GradientReducer
 from jaxpar.config import ConfigError
-from jaxpar.train.optimizer import decay_mask, schedule
+from jaxpar.train.decay import decay_mask, schedule
 
 
 class OneBitAdamState(NamedTuple):
