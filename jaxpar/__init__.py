@@ -9,10 +9,35 @@ The public API for training scripts:
 Models annotate params with `jaxpar.nn.param(..., axes=(...))` and activations with
 `jaxpar.nn.constrain(x, (...))`, in logical axis names only.
 """
-from jaxpar.config import Config, ConfigError, load_config, make_config
-from jaxpar.mesh import build_mesh
-from jaxpar.sharding import Plan
-from jaxpar.train.trainer import Trainer
+from __future__ import annotations
+
+import importlib
+
+# Exported lazily (PEP 562), so that `import jaxpar.config` (or `jaxpar --help`) loads no jax.
+_EXPORTS = {
+    "Config": "jaxpar.config",
+    "ConfigError": "jaxpar.config",
+    "load_config": "jaxpar.config",
+    "make_config": "jaxpar.config",
+    "build_mesh": "jaxpar.mesh",
+    "Plan": "jaxpar.sharding",
+    "Trainer": "jaxpar.train.trainer",
+}
 
 __all__ = ["Config", "ConfigError", "Plan", "Trainer", "build_mesh", "load_config", "make_config"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    try:  # a submodule, as `jaxpar.nn` after `import jaxpar`
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

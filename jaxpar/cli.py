@@ -11,6 +11,10 @@ import sys
 from jaxpar.config import ConfigError, load_config
 
 
+# Each command imports what it runs inside its function: `jaxpar --help`, `launch` and `plot` then
+# start without jax (heavy), and `train` sets XLA flags and jax.distributed up before jax loads.
+
+
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from jaxpar.xla import apply_xla_flags

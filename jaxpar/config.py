@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jaxpar.registry import COMPRESSORS, PRESETS
+
 MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "expert")
 
 
@@ -79,18 +81,15 @@ class ModelConfig(Strict):
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("preset") is not None:
-            from models.llama import PRESETS
-            from models.moe import PRESETS as MOE_PRESETS
-
-            PRESETS = {**PRESETS, **MOE_PRESETS}
             name = data["preset"]
             if name not in PRESETS:
                 raise ValueError(
-                    f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}"
+                    f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS.names()))}"
                 )
-            merged = {**PRESETS[name], **data}
-            if isinstance(PRESETS[name].get("moe"), dict) and isinstance(data.get("moe"), dict):
-                merged["moe"] = {**PRESETS[name]["moe"], **data["moe"]}  # preset's moe, then yours
+            preset = PRESETS.get(name)
+            merged = {**preset, **data}
+            if isinstance(preset.get("moe"), dict) and isinstance(data.get("moe"), dict):
+                merged["moe"] = {**preset["moe"], **data["moe"]}  # preset's moe, then yours
             return merged
         return data
 
@@ -258,11 +257,11 @@ class GradientCompressionConfig(Strict):
     @field_validator("method")
     @classmethod
     def _method(cls, v: str) -> str:
-        from jaxpar.collectives import METHODS
-        if v not in METHODS:
-            close = difflib.get_close_matches(v, list(METHODS), n=1)
+        if v not in COMPRESSORS:
+            methods = COMPRESSORS.names()
+            close = difflib.get_close_matches(v, methods, n=1)
             hint = f" did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown gradient compression method {v!r};{hint} valid: {', '.join(METHODS)}")
+            raise ValueError(f"unknown gradient compression method {v!r};{hint} valid: {', '.join(methods)}")
         return v
 
     @field_validator("axes")

@@ -26,6 +26,9 @@ from typing import Callable, Mapping
 
 from jaxpar.config import ConfigError, DistributedConfig
 
+# jax is imported inside the functions that use it (heavy): resolving the settings from the
+# config and the environment (`resolve`) loads nothing but this module.
+
 ENV_COORDINATOR = "JAXPAR_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"

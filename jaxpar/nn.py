@@ -9,7 +9,8 @@
 - `scan_layers(stack, x, fn)`: run a stack of layers (params with a leading `layers` dim) with
   `lax.scan`; the train step hooks in here to gather ZeRO-3 shards per layer, cast to the compute
   dtype and apply the remat policy, so the model itself stays free of parallelism.
-Outside a jaxpar step every hook is the identity and the model runs as plain JAX.
+Outside a jaxpar step every hook is the identity and the model runs as plain JAX (MoE: the local
+dispatch that jaxpar/parallel/expert.py injects with `set_default_experts`).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Context:
     layer_params: Callable[[Any], Any] = lambda state: state  # one layer's nnx.State -> ready params
     remat: str = "none"
     never_save: tuple[str, ...] = ()  # checkpoint names the backward must recompute (ZeRO-3 gathers)
-    # Mixture-of-experts dispatch/combine (jaxpar/parallel/expert.py); None: all experts local.
+    # Mixture-of-experts dispatch/combine (jaxpar/parallel/expert.py); None: the default one.
     experts: Callable[..., Any] | None = None
     # When set, scan_layers(stack, carry, fn) returns layers_hook(stack, carry, fn): the pipeline
     # uses it to cut a model into embedding / layer stages / head (see jaxpar/parallel/pipeline).
@@ -39,6 +40,14 @@ class Context:
 
 
 _CTX: contextvars.ContextVar[Context] = contextvars.ContextVar("jaxpar_nn", default=Context())
+# The MoE dispatch when the context names none (all experts on this device): injected by
+# jaxpar/parallel/expert.py when it is imported, so that this module knows no strategy.
+_default_experts: Callable[..., Any] | None = None
+
+
+def set_default_experts(fn: Callable[..., Any]) -> None:
+    global _default_experts
+    _default_experts = fn
 
 
 @contextlib.contextmanager
@@ -80,9 +89,10 @@ def experts(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable
     [groups, seq, k] with weights `gates`: returns (y like x, fraction of assignments dropped).
     `ffn(h [experts, tokens, embed])` and `ragged_ffn(rows [m, embed], group_sizes [experts])` run
     the experts whose weights this device holds. See jaxpar.parallel.expert.moe_apply for `kw`."""
-    fn = _CTX.get().experts
+    fn = _CTX.get().experts or _default_experts
     if fn is None:
-        from jaxpar.parallel.expert import moe_apply as fn
+        raise RuntimeError("jaxpar.nn.experts: no MoE dispatch; import jaxpar.parallel.expert (the local "
+                           "one) or pass one in nn.Context(experts=...)")
     return fn(x, expert_idx, gates, ffn, ragged_ffn, **kw)
 
 

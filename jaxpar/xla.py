@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Callable
 
 from jaxpar.config import Config
@@ -59,9 +60,8 @@ def apply_xla_flags(cfg: Config, log: Callable[[str], None] | None = None) -> li
 
 
 def _backend_started() -> bool:
-    import sys
     if "jax" not in sys.modules:
         return False
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # only once jax is loaded: this module must not load it
     started = getattr(xla_bridge, "backends_are_initialized", None)
     return bool(started() if started else getattr(xla_bridge, "_backends", {}))

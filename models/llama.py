@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.nn import constrain, param, scan_layers
+from jaxpar.registry import PRESETS as PRESET_REGISTRY
 
 # Published shapes. Parameter counts: 1b 1,235,814,400 (Llama 3.2 1B), 8b 8,030,261,248
 # (Llama 3.1 8B), 70b 70,553,706,496 (Llama 3.1 70B).
@@ -25,6 +26,8 @@ PRESETS: dict[str, dict] = {
     "70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
                 rope_theta=500000.0, tie_embeddings=False),
 }
+for _name, _fields in PRESETS.items():  # what `model.preset` may name (read by jaxpar/config.py)
+    PRESET_REGISTRY.register(_name, _fields)
 
 RESIDUAL = ("batch", "residual_seq", "embed")
 

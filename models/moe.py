@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxpar import nn
 from jaxpar.nn import constrain, param, scan_layers
+from jaxpar.registry import PRESETS as PRESET_REGISTRY
 from models.llama import RESIDUAL, Block, init_attention, rms_norm, rope_tables
 
 # Mixtral 8x7B (published): 46,702,792,704 parameters, 12,879,925,248 active per token
@@ -35,6 +36,8 @@ PRESETS: dict[str, dict] = {
                          ffn_dim=14336, rope_theta=1e6, tie_embeddings=False,
                          moe=dict(num_experts=8, top_k=2, every_n=1)),
 }
+for _name, _fields in PRESETS.items():  # what `model.preset` may name (read by jaxpar/config.py)
+    PRESET_REGISTRY.register(_name, _fields)
 
 AUX_KEYS = ("lb", "z", "dropped", "load")
 

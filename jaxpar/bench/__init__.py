@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from jaxpar.bench.common import build_config, check_name
+from jaxpar.xla import apply_xla_flags
 
 BENCHMARKS: dict[str, str] = {
     "overhead": "jaxpar.bench.overhead_matrix",
@@ -60,7 +61,6 @@ def run_bench(name: str, config_path: str | None, overrides: Sequence[str], as_j
     """What the CLI runs. Prints the table, or with `as_json` one JSON document, on stdout."""
     config_path, overrides = split_args(config_path, overrides)
     mod, cfg = load(name, config_path, overrides)
-    from jaxpar.xla import apply_xla_flags
     apply_xla_flags(cfg)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # progress; stdout holds only the result
     result = mod.run(cfg, log=log, **({"plot": plot} if plot else {}))  # --plot: pipeline

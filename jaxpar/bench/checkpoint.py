@@ -27,8 +27,10 @@ from typing import Callable
 import jax
 
 from jaxpar.bench.common import describe_config, fmt_bytes, fmt_ratio, mesh_overrides, table
+from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.mesh import describe
+from jaxpar.train.trainer import Trainer
 
 LAYOUT: list[str] = [*mesh_overrides(fsdp=-1), "sharding.zero_stage=3", "model.dim=512", "model.n_layers=8",
                      "model.n_heads=8", "model.n_kv_heads=4", "model.ffn_dim=1536", "train.global_batch=8",
@@ -41,9 +43,6 @@ def _nbytes(tree) -> int:
 
 
 def run(cfg: Config, log: Callable[[str], None] = lambda s: None, repeats: int = 3) -> dict:
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.train.trainer import Trainer
-
     trainer = Trainer(cfg, log=log)
     step_fn = trainer.compile()
     state = trainer.init_state()

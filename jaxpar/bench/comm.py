@@ -51,6 +51,7 @@ from jaxpar.metrics import COLLECTIVE_KINDS, collective_ops
 from jaxpar.metrics.hlo import group_size
 from jaxpar.sharding import ZERO_AXIS, Plan
 from jaxpar.train.step import DTYPES
+from jaxpar.train.trainer import Trainer
 
 LAYOUT: list[str] = mesh_overrides(fsdp=-1)
 DP_LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0"]
@@ -151,8 +152,6 @@ def rough(n_params: int, n: int, stage: int, grad_accum: int, dp: bool = False) 
 
 
 def measure_layout(cfg: Config, label: str) -> dict:
-    from jaxpar.train.trainer import Trainer
-
     trainer = Trainer(cfg, log=lambda s: None)
     t0 = time.perf_counter()
     hlo = trainer.compile().as_text()

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Sequence
 
 import jax
 
-from jaxpar.config import Config, ConfigError, load_config
+from jaxpar.config import Config, ConfigError, load_config, make_config
 
 # Applied after the config file and before the user's overrides, for every benchmark:
 # train.steps is the number of timed steps of `overhead` (and sizes nothing else).
@@ -34,7 +34,6 @@ def build_config(config_path: str | Path | None, layout: Sequence[str], override
 
 def with_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
     """A copy of `cfg` with more dotted overrides (validated like the CLI's)."""
-    from jaxpar.config import make_config
     return make_config(cfg.model_dump(mode="json"), list(overrides))
 
 

@@ -25,9 +25,11 @@ from typing import Callable
 import numpy as np
 
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
-from jaxpar.config import Config
+from jaxpar.config import Config, OptimizerConfig
+from jaxpar.mesh import describe
 from jaxpar.metrics import collective_ops
 from jaxpar.metrics.hlo import group_size
+from jaxpar.train.trainer import Trainer
 
 LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0", "train.steps=100", "train.log_every=1"]
 
@@ -74,8 +76,6 @@ def powersgd_matrix_ratio(trainer) -> float | None:
 
 
 def measure(cfg: Config, label: str, log, train: bool = True, bytes_cfg: Config | None = None) -> dict:
-    from jaxpar.train.trainer import Trainer
-
     quiet = lambda s: None
     tb = Trainer(bytes_cfg or cfg, log=quiet)
     t0 = time.perf_counter()
@@ -106,7 +106,6 @@ def variants(cfg: Config) -> dict[str, list[str]]:
     # PowerSGD starts after a float32 phase (as PyTorch's PowerSGD hook's start_powerSGD_iter)
     out["powersgd r4"] = [*out["powersgd r4"], f"gradient_compression.warmup_steps={2 * cfg.train.steps // 5}"]
     try:  # 1-bit Adam, where the optimizer option exists
-        from jaxpar.config import OptimizerConfig
         if "onebit_warmup_steps" in OptimizerConfig.model_fields:
             out["onebit adam"] = ["optimizer.name=onebit_adam",
                                   f"optimizer.onebit_warmup_steps={max(1, cfg.train.steps // 5)}"]
@@ -142,7 +141,6 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, methods=None, 
         tgt = TARGETS.get(r["label"])
         if tgt:
             r["target_ratio"], r["target_loss"] = tgt
-    from jaxpar.mesh import describe
     return {**describe_config(cfg), "steps": cfg.train.steps, "mesh": f"data={cfg.mesh.data}",
             "block_size": cfg.gradient_compression.block_size, "rows": rows}
 

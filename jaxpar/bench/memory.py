@@ -35,6 +35,7 @@ from jaxpar.metrics import compiled_memory
 from jaxpar.sharding import ZERO_AXIS, per_device_bytes
 from jaxpar.train.precision import has_masters
 from jaxpar.train.step import DTYPES, grad_dtype
+from jaxpar.train.trainer import Trainer
 
 LAYOUT: list[str] = mesh_overrides(fsdp=-1)
 STAGES = (0, 1, 2, 3)
@@ -60,7 +61,6 @@ def paper_formula(n_params: int, n_d: int, stage: int, sizes: dict[str, int]) ->
 
 def measure_stage(cfg: Config, stage: int) -> dict:
     """Plan and compile one stage; per-device bytes of each part of the state."""
-    from jaxpar.train.trainer import Trainer
 
     cfg = with_overrides(cfg, [f"sharding.zero_stage={stage}"])
     trainer = Trainer(cfg, log=lambda s: None)

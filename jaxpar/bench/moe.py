@@ -24,12 +24,14 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxpar.bench.common import describe_config, fmt_bytes, fmt_ratio, mesh_overrides, ratio, table, with_overrides
-from jaxpar.config import Config
+from jaxpar.bench.common import (describe_config, fmt_bytes, fmt_ratio, mesh_overrides, ratio, table,
+                                 with_overrides)
+from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import describe
 from jaxpar.metrics import collective_ops
 from jaxpar.parallel.expert import capacity
 from jaxpar.train.step import DTYPES
+from jaxpar.train.trainer import Trainer
 
 LAYOUT: list[str] = [*mesh_overrides(expert=-1), "model.preset=moe_small", "data.source=synthetic",
                      "train.compute_dtype=float32", "sharding.replicated_tolerance=1.0"]
@@ -57,8 +59,6 @@ def analytic(cfg: Config, plan) -> dict[str, float]:
 
 
 def measure(cfg: Config, mode: str, log: Callable[[str], None]) -> dict:
-    from jaxpar.train.trainer import Trainer
-
     cfg = with_overrides(cfg, [f"model.moe.dispatch={mode}"])
     trainer = Trainer(cfg, log=lambda s: None)
     log(f"moe: {mode}: compiling")
@@ -96,7 +96,6 @@ def measure(cfg: Config, mode: str, log: Callable[[str], None]) -> dict:
 
 def run(cfg: Config, log: Callable[[str], None] = lambda s: None, modes=MODES) -> dict:
     if not cfg.model.moe.num_experts:
-        from jaxpar.config import ConfigError
         raise ConfigError("jaxpar bench moe needs a MoE model: model.moe.num_experts > 0 "
                           "(e.g. model.preset=moe_small)")
     rows = {mode: measure(cfg, mode, log) for mode in modes}

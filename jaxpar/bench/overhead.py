@@ -34,6 +34,9 @@ from jaxpar import nn
 from jaxpar.bench.common import describe_config, fmt_ratio, mesh_overrides, table
 from jaxpar.config import Config
 from jaxpar.mesh import describe
+from jaxpar.metrics.hlo import naive_dots
+from jaxpar.train.trainer import Trainer
+from models.llama import Llama
 
 LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0"]
 TARGET = 1.05
@@ -45,8 +48,6 @@ def build_baseline(cfg: Config, mesh, batch_sharding: NamedSharding, param_shard
     """(init() -> (params, opt_state), jitted step(params, opt_state, tokens)) written by hand.
     Params (and the optimizer's per-param state) are replicated unless shardings are given:
     then plain GSPMD with those shardings, which places every collective itself."""
-    from models.llama import Llama
-
     t, o = cfg.train, cfg.optimizer
     seed, pdt, cdt = t.seed, DTYPES[t.param_dtype], DTYPES[t.compute_dtype]
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Llama(cfg.model, nnx.Rngs(seed))), nnx.Param)
@@ -126,8 +127,6 @@ def _stats(times: list[float]) -> dict:
 
 
 def run(cfg: Config, log: Callable[[str], None] = lambda s: None, warmup: int = 3) -> dict:
-    from jaxpar.train.trainer import Trainer
-
     steps = cfg.train.steps
     trainer = Trainer(cfg, log=log)
     log(f"overhead: {describe(trainer.mesh)}, zero {trainer.plan.zero_stage}, "
@@ -218,9 +217,6 @@ def compiled_structure(cfg: Config) -> dict:
     """Compile (never run) jaxpar's step and the hand-written one for `cfg`: XLA's bytes accessed
     and the bf16 dots left to XLA:CPU's naive emitter, per step. Call with jaxpar's XLA options
     applied (jaxpar.xla.apply_xla_flags) before JAX starts."""
-    from jaxpar.metrics.hlo import naive_dots
-    from jaxpar.train.trainer import Trainer
-
     trainer = Trainer(cfg, log=lambda s: None)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
                                  sharding=trainer.spec.batch_sharding)

@@ -17,12 +17,17 @@ timetable of the configured schedule at (mesh.pipeline, m = 2p, pipeline.virtual
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
+import jax
+
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
 from jaxpar.config import Config
+from jaxpar.mesh import resolve_sizes
 from jaxpar.parallel.pipeline.schedule import SCHEDULES, build_timetable, plot_timetable
+from jaxpar.train.trainer import Trainer
 
 # 4 pipeline stages x 2-way data on 8 devices; 8 layers so that interleaving (v = 2) divides.
 LAYOUT: list[str] = [*mesh_overrides(data=-1, pipeline=4), "model.n_layers=8", "train.seq_len=64",
@@ -46,10 +51,6 @@ def timetable_row(schedule: str, p: int, m: int, v: int) -> dict:
 
 
 def temp_memory(cfg: Config, schedule: str, m: int, v: int) -> dict:
-    import jax
-    import math
-    from jaxpar.mesh import resolve_sizes
-    from jaxpar.train.trainer import Trainer
     sizes = resolve_sizes(cfg.mesh, len(jax.devices()))
     dp = math.prod(sizes[a] for a in cfg.sharding.resolved_rules()["batch"] if a in sizes)
     trial = with_overrides(cfg, [f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}",
@@ -64,7 +65,6 @@ def temp_memory(cfg: Config, schedule: str, m: int, v: int) -> dict:
 
 def run(cfg: Config, log: Callable[[str], None] = lambda s: None, plot: str | None = None,
         memory: bool = True) -> dict:
-    import jax
     n_dev = len(jax.devices())
     p_cfg = cfg.mesh.pipeline
     rows = []

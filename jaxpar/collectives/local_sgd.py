@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError
+from jaxpar.parallel.data import reduce_final_grads, sharded_dims
 
 AXIS = "data"
 
@@ -132,7 +133,6 @@ class LocalReducer:
     """The per-step gradient reduction under local SGD: every batch axis except `data`."""
 
     def __init__(self, plan, grad_specs):
-        from jaxpar.parallel.data import reduce_final_grads
         self._reduce = reduce_final_grads
         self.manual = frozenset(a for a in plan.batch_axes if a != AXIS)
         self.sizes = plan.mesh.shape
@@ -148,7 +148,6 @@ class LocalReducer:
         return "local SGD: gradients reduced within a replica only"
 
     def reduce(self, grads, comm, extra=None):
-        from jaxpar.parallel.data import sharded_dims
         out = []
         leaves, treedef = jax.tree.flatten(grads)
         for g, spec in zip(leaves, jax.tree.leaves(self._specs, is_leaf=lambda x: isinstance(x, P))):

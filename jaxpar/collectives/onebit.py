@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxpar.collectives.base import Compressor, blocks, ef_state_shapes
+from jaxpar.config import ConfigError
 
 SHIFTS = jnp.arange(8, dtype=jnp.uint8)
 
@@ -34,7 +35,6 @@ class OneBit(Compressor):
         super().__init__(cfg)
         self.block = block_size or (cfg.block_size if cfg is not None else 256)
         if self.block % 8:
-            from jaxpar.config import ConfigError
             raise ConfigError(
                 f"gradient_compression.block_size={self.block} does not divide into bytes: onebit packs "
                 f"8 signs per byte, so the block size must be a multiple of 8 (e.g. 256)")

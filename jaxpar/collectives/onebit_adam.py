@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.collectives.onebit import OneBit
 from jaxpar.collectives.reducer import GradientReducer
 from jaxpar.config import ConfigError
+from jaxpar.train.decay import decay_mask, schedule
 
 
 class OneBitAdamState(NamedTuple):
@@ -41,7 +42,6 @@ class OneBitAdamState(NamedTuple):
 
 def onebit_adam(cfg, total_steps: int, axes_tree) -> optax.GradientTransformation:
     """The optimizer half: Adam until count == warm-up, then mu comes in reduced and nu is frozen."""
-    from jaxpar.train.optimizer import decay_mask, schedule
     lr = schedule(cfg, total_steps)
     mask = decay_mask(axes_tree)
     warmup, b1, b2, eps, wd = cfg.onebit_warmup_steps, cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.collectives import make_compressor
 from jaxpar.collectives.base import Compressor, Group
+from jaxpar.collectives.methods import make_compressor
 from jaxpar.collectives.powersgd import PowerSGD, init_q, matrix_split
 from jaxpar.config import ConfigError
 

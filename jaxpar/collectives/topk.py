@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.collectives.base import Compressor, Group, blocks
+from jaxpar.config import ConfigError
 
 
 class TopK(Compressor):
@@ -24,7 +25,6 @@ class TopK(Compressor):
         self.block = block_size or (cfg.block_size if cfg is not None else 256)
         frac = fraction if fraction is not None else (cfg.topk_fraction if cfg is not None else 0.01)
         if self.block > 65536:
-            from jaxpar.config import ConfigError
             raise ConfigError(f"gradient_compression.block_size={self.block}: topk indexes inside a block "
                               f"with uint16, so the block size must be <= 65536")
         self.k = max(1, min(self.block, round(frac * self.block)))

@@ -2,8 +2,8 @@
 
 So resuming at step s needs no replay and no saved iterator state, every process computes only
 the rows of its own shards, and the data does not change with the number of hosts or devices.
-Randomness comes from a counter-based hash (splitmix64) of (seed, step, row), vectorised in
-numpy: computing any subset of rows gives exactly the values those rows have in the full batch.
+Randomness comes from a counter-based hash of (seed, step, row) (jaxpar/data/keys.py): computing
+any subset of rows gives exactly the values those rows have in the full batch.
 """
 from __future__ import annotations
 
@@ -14,31 +14,14 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import binfile, text
-
-_M64 = 0xFFFF_FFFF_FFFF_FFFF
+from jaxpar.data import binfile, synthetic, text
+from jaxpar.data.keys import mix64, row_keys  # noqa: F401 (mix64: re-exported)
 
 
 class TokenSource(Protocol):
     def rows(self, step: int, row_indices: np.ndarray, seq_len: int) -> np.ndarray:
         """int32 [len(row_indices), seq_len + 1]: inputs and, shifted by one, targets."""
         ...
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer: a bijective, well-mixed hash of uint64 values (wraps mod 2**64)."""
-    with np.errstate(over="ignore"):
-        z = np.asarray(x, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
-def row_keys(seed: int, step: int, row_indices: np.ndarray, salt: int = 0) -> np.ndarray:
-    """One uint64 random key per row, depending only on (seed, step, row, salt)."""
-    k = mix64(np.uint64((seed ^ (salt << 32)) & _M64))
-    k = mix64(k ^ np.uint64(step & _M64))
-    return mix64(k ^ np.asarray(row_indices, dtype=np.uint64))
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,8 +55,6 @@ class StreamSource:
 
 def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
     """The token source `cfg` names, validated against the model's vocab_size."""
-    from jaxpar.data import synthetic  # here: synthetic imports row_keys from this module
-
     if cfg.source == "text":
         if vocab_size < text.VOCAB_SIZE:
             raise ConfigError(

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from jaxpar.config import ConfigError
-from jaxpar.data.loader import mix64, row_keys
+from jaxpar.data.keys import mix64, row_keys
 
 _SALT_RULE, _SALT_TOKENS, _SALT_NOISE = 1, 2, 3
 

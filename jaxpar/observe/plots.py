@@ -76,7 +76,7 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
     """Write `loss.png`, `throughput.png` and (when any run logged it) `mfu.png` into `out_dir`
     (default: the first run dir). Returns `{png path: {run label: number of points}}`."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: only when plotting
     from matplotlib.figure import Figure
 
     if not run_dirs:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import yaml
 
 from jaxpar.observe.watchdog import exempt_current_step
 from jaxpar.train.callbacks import Callback
@@ -37,7 +38,6 @@ To capture one: jaxpar train CONFIG profile.steps=[10,12]
 def run_profile_dir(run_dir: str | Path) -> str:
     """The run's `profile.dir` from its saved config.yaml (default `profile`)."""
     try:
-        import yaml
         cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
         return str((cfg.get("profile") or {}).get("dir") or "profile")
     except (OSError, ValueError, AttributeError):

@@ -206,7 +206,7 @@ class PrometheusExporter(Callback):
             self.info["zero_stage"] = str(plan.zero_stage)
         self._update(step=step, collectives=collectives, memory=memory_snapshot(self._compiled))
         if self._server is None:
-            from prometheus_client import start_http_server
+            from prometheus_client import start_http_server  # optional: only an enabled exporter
             port = self.requested_port + (self.process if self.all_processes and self.requested_port else 0)
             self._server, _ = start_http_server(port, addr=self.host, registry=self.registry)
             self.port = self._server.server_address[1]

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import jax
 
+from jaxpar.metrics import collective_ops
 from jaxpar.train.callbacks import Callback
 
 logger = logging.getLogger("jaxpar.observe.watchdog")
@@ -165,7 +166,6 @@ def _collective_summary(compiled: Any) -> str:
     if compiled is None:
         return ""
     try:
-        from jaxpar.metrics import collective_ops
         ops = collective_ops(compiled.as_text(), count_loops=True)
     except Exception:
         return ""

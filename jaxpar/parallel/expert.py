@@ -32,6 +32,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar import nn
 from jaxpar.config import ConfigError
 
 EXPERT_AXIS = "expert"
@@ -143,12 +144,15 @@ def moe_apply(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callab
     raise ValueError(f"unknown dispatch {dispatch!r}; valid: capacity, dropless")
 
 
-def expert_hook(plan, manual: frozenset[str]) -> Callable | None:
+nn.set_default_experts(moe_apply)  # what nn.experts runs outside a step: all experts local
+
+
+def expert_hook(plan, manual: frozenset[str]) -> Callable:
     """The nn.Context `experts` hook for code inside a shard_map manual over `manual`: all_to_all
-    over `expert` when that axis is manual and larger than 1; None (all experts local) otherwise."""
+    over `expert` when that axis is manual and larger than 1; all experts local otherwise."""
     n = plan.mesh.shape.get(EXPERT_AXIS, 1)
     if EXPERT_AXIS not in manual or n == 1:
-        return None
+        return moe_apply
     return functools.partial(moe_apply, axis=EXPERT_AXIS, axis_size=n)
 
 

@@ -5,6 +5,7 @@ module inside the traced step.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,7 +58,6 @@ class ModelDef:
 
     @property
     def n_params(self) -> int:
-        import math
         return sum(math.prod(s.shape) for s in jax.tree.leaves(self.shapes))
 
     def init(self, seed: int) -> dict:

@@ -6,15 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.collectives.onebit_adam import onebit_adam
 from jaxpar.config import OptimizerConfig
-
-
-def schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    decay = max(cfg.decay_steps or total_steps, cfg.warmup_steps + 1)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-        decay_steps=decay, end_value=cfg.lr * cfg.min_lr_ratio,
-    )
+from jaxpar.train.decay import decay_mask, schedule
 
 
 def schedule_count(opt_state) -> jax.Array:
@@ -29,14 +23,8 @@ def schedule_count(opt_state) -> jax.Array:
     return (sched or counted)[0].count.reshape(-1)[0]
 
 
-def decay_mask(axes_tree: dict) -> dict:
-    return jax.tree.map(lambda ax: len(ax) >= 2 and "norm" not in ax and "bias" not in ax,
-                        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
-
-
 def build_optimizer(cfg: OptimizerConfig, total_steps: int, axes_tree: dict) -> optax.GradientTransformation:
     if getattr(cfg, "name", "adamw") == "onebit_adam":
-        from jaxpar.collectives.onebit_adam import onebit_adam
         return onebit_adam(cfg, total_steps, axes_tree)
     parts = []
     if cfg.clip_norm is not None:

@@ -15,15 +15,22 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import nn
+from jaxpar.collectives.local_sgd import LocalReducer, LocalSGD
+from jaxpar.collectives.onebit_adam import OneBitAdamReducer
+from jaxpar.collectives.reducer import GradientReducer
+from jaxpar.config import GradientCompressionConfig
 from jaxpar.parallel.data import GATHERED, param_preparer, reduce_data_parallel, scatter_microbatch_grads
 from jaxpar.parallel.expert import expert_hook
+from jaxpar.parallel.pipeline import make_step_pipeline, stacked_paths
 from jaxpar.parallel.tensor import activation_constrainer
 from jaxpar.sharding import Plan
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import schedule_count
+from jaxpar.train.sown import add_sown, flat_metrics
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -76,18 +83,14 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
     }
     reducer = local = None
     if local_sgd is not None and local_sgd.sync_every > 1:
-        from jaxpar.collectives.local_sgd import LocalReducer, LocalSGD
         local = LocalSGD(local_sgd, plan, param_specs, compression, optimizer)
         local.update_shardings(state_shardings)
         reducer = LocalReducer(plan, grad_specs)
     elif optimizer is not None and getattr(optimizer, "name", "adamw") == "onebit_adam":
-        from jaxpar.collectives.onebit_adam import OneBitAdamReducer
-        from jaxpar.config import GradientCompressionConfig
         reducer = OneBitAdamReducer(optimizer, compression or GradientCompressionConfig(), plan, model,
                                     grad_specs)
         state_shardings["comm"] = reducer.state_shardings()
     elif compression is not None and compression.method != "none":
-        from jaxpar.collectives.reducer import GradientReducer
         reducer = GradientReducer(compression, plan, model, grad_specs)
         if reducer.stateful:  # error-feedback residuals: one row per batch device
             state_shardings["comm"] = reducer.state_shardings()
@@ -144,7 +147,6 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     final_out = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), final_specs, is_leaf=is_spec)
     run_pipeline = None
     if pipelined:  # stages over `pipeline`, microbatches run by a timetable (jaxpar/parallel/pipeline)
-        from jaxpar.parallel.pipeline import make_step_pipeline, stacked_paths
         stacked_str = {"/".join(map(str, k)) for k in stacked_paths(model)}
         run_pipeline, grad_accum = make_step_pipeline(
             model, plan, pipeline, grad_accum, ctx, lambda st: _prepare_top(st, prepare, stacked_str),
@@ -311,34 +313,9 @@ def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> 
     return forward
 
 
-def add_sown(loss: jax.Array, sown: dict, share: float):
-    """(loss + the weighted sown losses, (loss, metrics)) for one microbatch on one device. Sown
-    values are means over the device's slice; times `share` (its fraction of the global batch),
-    summed over microbatches and devices they become global means."""
-    metrics = {name: v * share for name, (v, _) in sown.items()}
-    weighted = [w * v for v, w in sown.values() if w]
-    if not weighted:
-        return loss, (loss, metrics)
-    metrics["aux_loss"] = sum(weighted) * share
-    return loss + metrics["aux_loss"], (loss, metrics)
-
-
-def flat_metrics(metrics: dict) -> dict:
-    """Array-valued metrics as one scalar each: `moe/load` [E] -> `moe/load/0`, ... ."""
-    out = {}
-    for name, v in metrics.items():
-        if v.ndim == 0:
-            out[name] = v
-        else:
-            for i, x in enumerate(v.reshape(-1)):
-                out[f"{name}/{i}"] = x
-    return out
-
-
 def _prepare_top(state, prepare, stacked_paths: set[str]):
     """Cast/gather the params used outside the layer scan (embeddings, final norm, head) and cast
     the layer stacks that need no per-layer gather (see jaxpar.parallel.data.param_preparer)."""
-    from flax import nnx
     flat = nnx.to_flat_state(state)
     items = []
     for path, var in flat:

@@ -16,17 +16,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.checkpoint import (Checkpointer, Preemption, ResumePlan, checkpoint_dir, ensure_writable,
+                               layout_meta, plan_resume, truncate_metrics)
 from jaxpar.config import Config, ConfigError
 from jaxpar.data import DataLoader, build_source
+from jaxpar.distributed import barrier, initialize
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import (CompositeWriter, JsonlWriter, Progress, TensorBoardWriter, compiled_memory,
-                            format_banner, generic_flops_per_token, llama_flops_per_token, mfu,
-                            peak_flops)
+                            format_banner, generic_flops_per_token, llama_flops_per_token, mfu, peak_flops)
+from jaxpar.observe import build_callbacks
+from jaxpar.parallel.expert import check_layout as check_experts
+from jaxpar.parallel.pipeline import check_pipeline_layout
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import build_optimizer, schedule
 from jaxpar.train.precision import apply_precision, check_precision
 from jaxpar.train.step import DTYPES, make_init, make_step_spec, make_train_step
+from jaxpar.xla import apply_xla_flags
+from models.llama import Llama
+from models.moe import MoELlama, active_param_count
 
 
 class TrainingStopped(ConfigError):
@@ -45,10 +53,8 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
                     f"use a tensor size that divides {getattr(m, fld)}"
                 )
     if check_model:
-        from jaxpar.parallel.expert import check_layout as check_experts
         check_experts(m, shape)
     if shape.get("pipeline", 1) > 1:
-        from jaxpar.parallel.pipeline import check_pipeline_layout
         check_pipeline_layout(cfg, plan, check_model)
     dp = plan.batch_size_divisor
     if t.global_batch % (dp * t.grad_accum):
@@ -60,9 +66,7 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
 
 
 def llama_model_factory(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
-    from models.llama import Llama
     if cfg.model.moe.num_experts:
-        from models.moe import MoELlama
         return lambda rngs: MoELlama(cfg.model, rngs)
     return lambda rngs: Llama(cfg.model, rngs)
 
@@ -79,9 +83,7 @@ class Trainer:
 
     def __post_init__(self) -> None:
         cfg = self.cfg
-        from jaxpar.xla import apply_xla_flags
         apply_xla_flags(cfg, log=self.log)  # before JAX starts (scripts too, not only the CLI)
-        from jaxpar.distributed import initialize
         initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
         self.mesh = build_mesh(cfg.mesh, self.devices)
         self.plan = Plan(self.mesh, cfg.sharding.resolved_rules(), cfg.sharding.zero_stage,
@@ -125,7 +127,6 @@ class Trainer:
     def _flops_per_token(self, custom: bool) -> float:
         n = self.model.n_params
         if not custom and self.cfg.model.moe.num_experts:  # the experts a token does not visit cost nothing
-            from models.moe import active_param_count
             n = active_param_count(self.cfg.model)
         if custom:
             return generic_flops_per_token(n)
@@ -170,7 +171,6 @@ class Trainer:
 
     def make_checkpointer(self, out_dir: Path | None = None):
         """The run's Checkpointer (`checkpoint.dir` or `<out_dir>/checkpoints`), or None when off."""
-        from jaxpar.checkpoint import Checkpointer, checkpoint_dir, ensure_writable
         c = self.cfg.checkpoint
         if not c.enabled:
             return None
@@ -180,7 +180,6 @@ class Trainer:
                             log=self.log)
 
     def checkpoint_meta(self, step: int) -> dict:
-        from jaxpar.checkpoint import layout_meta
         seed = self.cfg.train.seed
         return {"data": {"position": self.data_step(step), "step": step, "seed": seed,
                          "skipped_batches": list(self.skipped_batches)},
@@ -196,7 +195,6 @@ class Trainer:
         (None, 0, ...) when there is nothing to resume. `plan` comes from
         `jaxpar.checkpoint.plan_resume` (run() makes it before building the trainer, so the
         layout can adapt to the device count); without it, it is made here."""
-        from jaxpar.checkpoint import checkpoint_dir, plan_resume
         if not self.cfg.checkpoint.enabled:
             return None, 0, "checkpoints off"
         own = checkpoint_dir(self.cfg, out_dir)
@@ -206,7 +204,6 @@ class Trainer:
         if not plan.resuming:
             why = "train.resume=never" if self.cfg.train.resume == "never" else f"no checkpoint in {own}"
             return None, 0, f"fresh start ({why})"
-        from jaxpar.checkpoint import Checkpointer
         if Path(plan.root).absolute() == own.absolute():
             src = self._own_ckpt(own)
         else:  # another run's checkpoints: read only
@@ -238,7 +235,6 @@ class Trainer:
 
     def _own_ckpt(self, root: Path):
         if self.checkpointer is None or self.checkpointer.root != root.absolute():
-            from jaxpar.checkpoint import Checkpointer, ensure_writable
             ensure_writable(root, self.cfg)
             c = self.cfg.checkpoint
             self.checkpointer = Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every,
@@ -277,12 +273,10 @@ class Trainer:
         With `out_dir` (and checkpoint.enabled): resumes per train.resume when `state` is None,
         saves checkpoints every checkpoint.every steps and at the end, and on SIGTERM/SIGINT
         finishes the step, saves and returns (`self.preempted` names the signal)."""
-        from jaxpar.checkpoint import Preemption, truncate_metrics
         cfg, t = self.cfg, self.cfg.train
         out_dir = Path(out_dir) if out_dir is not None else None
         ckpt = None
         if out_dir is not None and cfg.checkpoint.enabled:
-            from jaxpar.checkpoint import checkpoint_dir
             ckpt = self._own_ckpt(checkpoint_dir(cfg, out_dir))
             if state is None:
                 state, start_step, where = self.restore(out_dir=out_dir)
@@ -301,7 +295,6 @@ class Trainer:
         bar = Progress(t.steps, start_step, enabled=show and jax.process_index() == 0)
         tokens_per_step = t.global_batch * t.seq_len
         step_fn = self.compiled or self.compile()
-        from jaxpar.distributed import barrier
         barrier("fit start")  # processes start their collectives together
         history: list[dict] = []
         last, last_step = time.perf_counter(), start_step
@@ -418,8 +411,6 @@ def _mib(n: int) -> str:
 def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None = None) -> list[dict]:
     """What `jaxpar train` does: plan the resume (adapting the layout to the device count), print
     the resolved config, save it, compile, restore, train; save on SIGTERM/SIGINT and return."""
-    from jaxpar.checkpoint import ResumePlan, checkpoint_dir, ensure_writable, plan_resume
-    from jaxpar.distributed import initialize
     initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
     if cfg.checkpoint.enabled:  # a checkpoint dir that cannot be written fails before compiling
         ensure_writable(checkpoint_dir(cfg), cfg)
@@ -432,7 +423,6 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
         log("resolved config:\n" + cfg.to_yaml())
-    from jaxpar.observe import build_callbacks
     trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg) + list(callbacks or []))
     compiled = trainer.compile()
     state, start, where = trainer.restore(plan, out_dir=out)

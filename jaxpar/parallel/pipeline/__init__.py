@@ -12,13 +12,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigError, PipelineConfig
+from jaxpar.parallel.pipeline.runner import flatten, make_pipeline_grads
 from jaxpar.parallel.pipeline.schedule import (SCHEDULES, Timetable, build_timetable, check_schedule,
                                                idle_formula, plot_timetable)
+from jaxpar.parallel.tensor import drop_axes
 
 
 def stacked_paths(model) -> set[tuple]:
     """Param paths whose leading dim is `layers` (what the pipeline splits into stages)."""
-    from jaxpar.parallel.pipeline.runner import flatten
     return {k for k, ax in flatten(model.axes).items() if ax[:1] == ("layers",)}
 
 
@@ -27,9 +32,6 @@ def context_mesh_constrainer(plan, manual: frozenset[str]) -> Callable:
     manual) mesh. The step's constrainer names the concrete all-Auto mesh; under lax.switch +
     jax.vjp its transpose then leaks that mesh into cotangent avals and jax 0.12 fails
     ("Context mesh ... should match the mesh of sharding ...") once `tensor` > 1."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-    from jaxpar.parallel.tensor import drop_axes
     auto = [a for a, n in plan.mesh.shape.items() if a not in manual and n > 1]
     if not auto:
         return lambda x, axes: x
@@ -44,7 +46,6 @@ def context_mesh_constrainer(plan, manual: frozenset[str]) -> Callable:
 
 def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
     """Config mistakes of a pipelined run, as one clear ConfigError each (Trainer.check_layout)."""
-    from jaxpar.config import ConfigError
     p = plan.mesh.shape["pipeline"]
     pc, t = cfg.pipeline, cfg.train
     m = pc.resolved_microbatches(t.grad_accum)
@@ -65,8 +66,6 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
                        loss_sum_fn: Callable, scatter: Callable, grad_specs: Any):
     """What the train step calls when mesh.pipeline > 1: (run, microbatches), where
     run(params, mbs, n_tokens) -> (losses, local grads) replaces the microbatch loop."""
-    from jaxpar.config import PipelineConfig
-    from jaxpar.parallel.pipeline.runner import flatten, make_pipeline_grads
     cfg = pipeline_cfg or PipelineConfig()
     p = plan.mesh.shape["pipeline"]
     m = cfg.resolved_microbatches(grad_accum)

@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxpar import nn
 from jaxpar.train.model import nest
+from jaxpar.train.sown import add_sown
 from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, F_FIRST, F_MID, IDLE,
                                                Timetable)
 
@@ -140,7 +141,6 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return call(top, lay_k, tok, hook, False)
 
         def post(top, lay_k, y, tok):
-            from jaxpar.train.step import add_sown
             with nn.collect_aux() as sown:
                 logits = call(top, lay_k, tok, lambda stack, carry, fn: y, True)
             return add_sown(loss_sum_fn(logits, tok[:, 1:]) / n_tokens, sown, share)

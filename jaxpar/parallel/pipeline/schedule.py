@@ -285,7 +285,7 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1) -> Timetable:
 def plot_timetable(tt: Timetable, path: str) -> str:
     """Draw the timetable (devices x ticks; forwards light, backwards dark, one hue per
     microbatch) into a PNG."""
-    import matplotlib
+    import matplotlib  # heavy: only `jaxpar bench pipeline --plot` draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle

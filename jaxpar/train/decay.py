@@ -1,0 +1,22 @@
+"""What AdamW (optimizer.py) and 1-bit Adam (jaxpar/collectives/onebit_adam.py) share: the
+learning-rate schedule (warmup + cosine) and the weight-decay mask (no decay on norms, biases
+or any 1-D parameter)."""
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxpar.config import OptimizerConfig
+
+
+def schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    decay = max(cfg.decay_steps or total_steps, cfg.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=decay, end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def decay_mask(axes_tree: dict) -> dict:
+    return jax.tree.map(lambda ax: len(ax) >= 2 and "norm" not in ax and "bias" not in ax,
+                        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
