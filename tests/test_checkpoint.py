@@ -344,7 +344,7 @@ def test_processes_fall_back_together_and_a_bug_is_not_damage(tmp_path, devices,
         f"ocdbt.process_1/d/x truncated); falling back to step 1")
     assert mgr.all_steps() == [1] and (root / "2.unusable" / "state").is_dir()  # step 2 can be saved again
     np.testing.assert_array_equal(np.asarray(state["params"]["w"]), host["params"]["w"])
-    monkeypatch.setattr(ck, "verify", lambda state, meta: 1 / 0)
+    monkeypatch.setattr(ck.store, "verify", lambda state, meta: 1 / 0)  # what restore calls
     with pytest.raises(ZeroDivisionError):
         mgr.restore(_target(devices, 4, host), warn=warnings.append)
     mgr.close()

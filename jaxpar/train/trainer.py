@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.checkpoint import (Checkpointer, Preemption, ResumePlan, checkpoint_dir, ensure_writable,
+                               layout_meta, plan_resume, truncate_metrics)
 from jaxpar.config import Config, ConfigError
 from jaxpar.data import DataLoader, build_source
 from jaxpar.mesh import build_mesh, describe
@@ -170,17 +172,11 @@ class Trainer:
 
     def make_checkpointer(self, out_dir: Path | None = None):
         """The run's Checkpointer (`checkpoint.dir` or `<out_dir>/checkpoints`), or None when off."""
-        from jaxpar.checkpoint import Checkpointer, checkpoint_dir, ensure_writable
-        c = self.cfg.checkpoint
-        if not c.enabled:
+        if not self.cfg.checkpoint.enabled:
             return None
-        root = checkpoint_dir(self.cfg, out_dir)
-        ensure_writable(root, self.cfg)
-        return Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save,
-                            log=self.log)
+        return Checkpointer.for_run(self.cfg, checkpoint_dir(self.cfg, out_dir), log=self.log)
 
     def checkpoint_meta(self, step: int) -> dict:
-        from jaxpar.checkpoint import layout_meta
         seed = self.cfg.train.seed
         return {"data": {"position": self.data_step(step), "step": step, "seed": seed,
                          "skipped_batches": list(self.skipped_batches)},
@@ -196,7 +192,6 @@ class Trainer:
         (None, 0, ...) when there is nothing to resume. `plan` comes from
         `jaxpar.checkpoint.plan_resume` (run() makes it before building the trainer, so the
         layout can adapt to the device count); without it, it is made here."""
-        from jaxpar.checkpoint import checkpoint_dir, plan_resume
         if not self.cfg.checkpoint.enabled:
             return None, 0, "checkpoints off"
         own = checkpoint_dir(self.cfg, out_dir)
@@ -206,7 +201,6 @@ class Trainer:
         if not plan.resuming:
             why = "train.resume=never" if self.cfg.train.resume == "never" else f"no checkpoint in {own}"
             return None, 0, f"fresh start ({why})"
-        from jaxpar.checkpoint import Checkpointer
         if Path(plan.root).absolute() == own.absolute():
             src = self._own_ckpt(own)
         else:  # another run's checkpoints: read only
@@ -238,11 +232,7 @@ class Trainer:
 
     def _own_ckpt(self, root: Path):
         if self.checkpointer is None or self.checkpointer.root != root.absolute():
-            from jaxpar.checkpoint import Checkpointer, ensure_writable
-            ensure_writable(root, self.cfg)
-            c = self.cfg.checkpoint
-            self.checkpointer = Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every,
-                                             async_save=c.async_save, log=self.log)
+            self.checkpointer = Checkpointer.for_run(self.cfg, root, log=self.log)
         return self.checkpointer
 
     def banner(self, compiled=None, extra: dict | None = None) -> str:
@@ -277,12 +267,10 @@ class Trainer:
         With `out_dir` (and checkpoint.enabled): resumes per train.resume when `state` is None,
         saves checkpoints every checkpoint.every steps and at the end, and on SIGTERM/SIGINT
         finishes the step, saves and returns (`self.preempted` names the signal)."""
-        from jaxpar.checkpoint import Preemption, truncate_metrics
         cfg, t = self.cfg, self.cfg.train
         out_dir = Path(out_dir) if out_dir is not None else None
         ckpt = None
         if out_dir is not None and cfg.checkpoint.enabled:
-            from jaxpar.checkpoint import checkpoint_dir
             ckpt = self._own_ckpt(checkpoint_dir(cfg, out_dir))
             if state is None:
                 state, start_step, where = self.restore(out_dir=out_dir)
@@ -418,7 +406,6 @@ def _mib(n: int) -> str:
 def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None = None) -> list[dict]:
     """What `jaxpar train` does: plan the resume (adapting the layout to the device count), print
     the resolved config, save it, compile, restore, train; save on SIGTERM/SIGINT and return."""
-    from jaxpar.checkpoint import ResumePlan, checkpoint_dir, ensure_writable, plan_resume
     from jaxpar.distributed import initialize
     initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
     if cfg.checkpoint.enabled:  # a checkpoint dir that cannot be written fails before compiling
