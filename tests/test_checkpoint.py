@@ -126,6 +126,20 @@ def test_inspect_cli(tmp_path, devices, capsys):
     assert cli_main(["checkpoint", "inspect", str(tmp_path / "nowhere")]) == 2
 
 
+def test_resume_and_inspect_read_a_named_path_alike(tmp_path):
+    """A run dir, its checkpoints dir and one step dir name the same root for train.resume and
+    for inspect; a dir with steps of its own is the root even beside a `checkpoints/`."""
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    (root / "5" / "state").mkdir(parents=True)
+    for named, step in ((run, None), (root, None), (root / "5", 5)):
+        assert ck.locate(named) == ck.resolve_source(str(named), tmp_path / "own") == (root, step)
+        assert ck.inspect(named).startswith(f"checkpoints in {root}:\n  step        5  INCOMPLETE: ")
+    (run / "7" / "state").mkdir(parents=True)
+    assert ck.locate(run) == (run, None)
+    assert ck.checkpoint_dir(tiny_config(f"run_dir={tmp_path}", "name=run")) == root  # where it saves
+
+
 def test_adapt_layout_keeps_global_batch():
     cfg = tiny_config("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     meta = ck.layout_meta(cfg, type("M", (), {"shape": {"data": 2, "fsdp": 2, "pipeline": 1, "tensor": 2,
@@ -344,7 +358,7 @@ def test_processes_fall_back_together_and_a_bug_is_not_damage(tmp_path, devices,
         f"ocdbt.process_1/d/x truncated); falling back to step 1")
     assert mgr.all_steps() == [1] and (root / "2.unusable" / "state").is_dir()  # step 2 can be saved again
     np.testing.assert_array_equal(np.asarray(state["params"]["w"]), host["params"]["w"])
-    monkeypatch.setattr(ck, "verify", lambda state, meta: 1 / 0)
+    monkeypatch.setattr(ck.store, "verify", lambda state, meta: 1 / 0)  # what restore calls
     with pytest.raises(ZeroDivisionError):
         mgr.restore(_target(devices, 4, host), warn=warnings.append)
     mgr.close()

@@ -171,13 +171,9 @@ class Trainer:
 
     def make_checkpointer(self, out_dir: Path | None = None):
         """The run's Checkpointer (`checkpoint.dir` or `<out_dir>/checkpoints`), or None when off."""
-        c = self.cfg.checkpoint
-        if not c.enabled:
+        if not self.cfg.checkpoint.enabled:
             return None
-        root = checkpoint_dir(self.cfg, out_dir)
-        ensure_writable(root, self.cfg)
-        return Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save,
-                            log=self.log)
+        return Checkpointer.for_run(self.cfg, checkpoint_dir(self.cfg, out_dir), log=self.log)
 
     def checkpoint_meta(self, step: int) -> dict:
         seed = self.cfg.train.seed
@@ -235,10 +231,7 @@ class Trainer:
 
     def _own_ckpt(self, root: Path):
         if self.checkpointer is None or self.checkpointer.root != root.absolute():
-            ensure_writable(root, self.cfg)
-            c = self.cfg.checkpoint
-            self.checkpointer = Checkpointer(root, keep_last=c.keep_last, keep_every=c.keep_every,
-                                             async_save=c.async_save, log=self.log)
+            self.checkpointer = Checkpointer.for_run(self.cfg, root, log=self.log)
         return self.checkpointer
 
     def banner(self, compiled=None, extra: dict | None = None) -> str:

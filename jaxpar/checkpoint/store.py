@@ -1,0 +1,193 @@
+"""The orbax store: save a step (async, keep policy), restore it onto any mesh, verified.
+
+Restore goes from the newest step down and takes the first one every process reads and whose
+checksums match; newer unusable steps are renamed `<step>.unusable` so the run can save them again.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+from jaxpar import distributed
+from jaxpar.checkpoint.agreement import agree, attempt, steps_anywhere
+from jaxpar.checkpoint.errors import CheckpointError, print_warning
+from jaxpar.checkpoint.files import FORMAT, ITEMS, check_complete, ensure_writable, read_meta
+from jaxpar.checkpoint.integrity import fingerprint, leaf_paths, verify
+from jaxpar.config import Config
+
+
+class Checkpointer:
+    """An orbax CheckpointManager for one run: async saves with a keep policy, restore with
+    checksum verification and fall back to older steps."""
+
+    def __init__(self, root: str | Path, *, keep_last: int = 3, keep_every: int | None = None,
+                 async_save: bool = True, log: Callable[[str], None] = print,
+                 read_only: bool = False) -> None:
+        import orbax.checkpoint as ocp  # heavy (seconds): only runs that checkpoint pay for it
+        from orbax.checkpoint import checkpoint_managers as cm
+
+        self.ocp = ocp
+        self.root = Path(root).absolute()
+        self.log = log
+        policies = [cm.LatestN(keep_last)]
+        if keep_every:
+            policies.append(cm.EveryNSteps(keep_every))
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=cm.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=not read_only, create=not read_only, read_only=read_only,
+        )
+        self.mngr = ocp.CheckpointManager(self.root, options=options, item_names=ITEMS)
+        self.read_only = read_only
+        self.last_saved: int | None = None
+        self.save_seconds: list[float] = []
+
+    @classmethod
+    def for_run(cls, cfg: Config, root: Path, log: Callable[[str], None] = print) -> "Checkpointer":
+        """The checkpointer a run saves with: `root` checked writable first (one clear error),
+        `cfg.checkpoint`'s keep policy and async setting."""
+        ensure_writable(root, cfg)
+        c = cfg.checkpoint
+        return cls(root, keep_last=c.keep_last, keep_every=c.keep_every, async_save=c.async_save, log=log)
+
+    # -- steps
+    def all_steps(self) -> list[int]:
+        return sorted(self.mngr.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- save
+    def save(self, step: int, state: Any, meta: dict, config: dict) -> None:
+        """Start saving `state` as `step` (returns once the arrays are copied off the device
+        when async; the files are written in the background)."""
+        ocp = self.ocp
+        t0 = time.perf_counter()
+        arrays = {p: {"shape": list(x.shape), "dtype": str(x.dtype)}
+                  for p, x in zip(leaf_paths(state), jax.tree.leaves(state))}
+        meta = {"format": FORMAT, "step": int(step), **meta, "arrays": arrays,
+                "checksums": fingerprint(state), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.mngr.save(int(step), args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta),
+            config=ocp.args.JsonSave(config)), force=True)
+        self.last_saved = int(step)
+        dt = time.perf_counter() - t0
+        self.save_seconds.append(dt)
+        try:  # the observability module, when present, exports save times (a save never fails for it)
+            from jaxpar.observe import record_checkpoint_save
+            record_checkpoint_save(dt)
+        except Exception:
+            pass
+
+    def wait(self) -> None:
+        self.mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self.mngr.wait_until_finished()
+        self.mngr.close()
+
+    # -- restore
+    def restore(self, abstract_state: Any, step: int | None = None,
+                warn: Callable[[str], None] = print_warning) -> tuple[Any, dict, int]:
+        """(state, meta, step) from `step`, or the latest good step. `abstract_state` holds
+        ShapeDtypeStructs with the shardings to restore onto (any mesh). A step that fails to
+        load on any process, or whose checksums differ, is reported with `warn` and every
+        process tries the previous one."""
+        steps = [step] if step is not None else steps_anywhere(self.all_steps())
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {self.root}")
+        failures = []
+        for s in steps:
+            where = self.root / str(s)
+            loaded, problem = attempt(lambda: self._load(abstract_state, s))
+            bad = agree(problem)
+            if not bad:  # every process holds its part: the checksums are one global computation
+                _, problem = attempt(lambda: _check_sums(*loaded))
+                bad = agree(problem)
+            if not bad:
+                self._set_aside([x for x in steps if x > s])
+                return loaded[0], loaded[1], s
+            failures += [f"step {s}: {reason}" for reason in bad]
+            rest = [x for x in steps if x < s]
+            then = f"falling back to step {rest[0]}" if rest else "no earlier checkpoint"
+            for reason in bad:
+                warn(f"checkpoint {where} is unusable ({reason}); {then}")
+        raise CheckpointError(f"no good checkpoint in {self.root}:\n  " + "\n  ".join(failures))
+
+    def _set_aside(self, unusable: list[int]) -> None:
+        """Rename unusable newer steps to `<step>.unusable` (kept for inspection), so the resumed
+        run can save those steps again. Process 0 renames (shared storage); all reload."""
+        if not unusable or self.read_only:
+            return
+        if jax.process_index() == 0:
+            for s in unusable:
+                src, dst = self.root / str(s), self.root / f"{s}.unusable"
+                n = 1
+                while dst.exists():
+                    dst, n = self.root / f"{s}.unusable.{n}", n + 1
+                if src.is_dir():
+                    src.rename(dst)
+                    print_warning(f"moved the unusable checkpoint {src} aside to {dst}")
+        distributed.barrier("checkpoint set aside")
+        self.mngr.reload()
+
+    def _load(self, abstract_state: Any, s: int) -> tuple[Any, dict]:
+        """This process's part of step `s` (raises a damage error when it cannot be read)."""
+        ocp = self.ocp
+        where = self.root / str(s)
+        if not where.is_dir():
+            raise CheckpointError(f"{where} not found")
+        problems = check_complete(where)
+        if problems:
+            raise CheckpointError("incomplete: " + "; ".join(problems))
+        meta = read_meta(where)
+        # parts of the state that cannot carry over are left out (partial restore)
+        target, dropped = restorable(abstract_state, meta)
+        item = ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=bool(dropped))
+        # the handler, not the manager: the manager's barrier after a restore would wait forever
+        # for a process whose read failed; the processes meet in `agree` instead
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            state = handler.restore(where / "state", args=item)
+        finally:
+            handler.close()
+        return state, {**meta, "reset": dropped}
+
+
+def _check_sums(state: Any, meta: dict) -> None:
+    bad = verify(state, meta)
+    if bad:
+        raise CheckpointError(f"checksum mismatch in {', '.join(bad[:3])}"
+                              + (f" and {len(bad) - 3} more" if len(bad) > 3 else ""))
+
+
+CORE_KEYS = ("step", "params", "opt_state")
+
+
+def restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
+    """The part of the target state a checkpoint can fill, and the top-level keys it cannot:
+    state beside step/params/opt_state (e.g. gradient-compression residuals, one row per batch
+    device) whose saved shapes differ from the current ones, or that is new or gone."""
+    saved = meta.get("arrays")
+    if not saved or not isinstance(abstract_state, dict):
+        return abstract_state, []
+    saved_tops = {p.split("/")[0] for p in saved}
+    dropped = []
+    for key, sub in abstract_state.items():
+        if key in CORE_KEYS:
+            continue
+        now = {f"{key}/{p}" if p else key: list(x.shape)
+               for p, x in zip(leaf_paths(sub), jax.tree.leaves(sub))}
+        then = {p: a["shape"] for p, a in saved.items() if p == key or p.startswith(key + "/")}
+        if now != then:
+            dropped.append(key)
+    extra = sorted(saved_tops - set(abstract_state))
+    if not dropped and not extra:
+        return abstract_state, []
+    return {k: v for k, v in abstract_state.items() if k not in dropped}, dropped + extra
