@@ -6,7 +6,13 @@ maxtext, ...), and each run's per-step times are parsed from what the trainer it
 jaxpar's `<run dir>/metrics.jsonl` (`step_time_s`, train.log_every=1) and MaxText's
 "completed step: N, seconds: X" log lines. Steps are counted from 0 for both (jaxpar's record
 of step k is step k-1 here); reported: the mean of steps [skip, steps) of every run, per
-trainer and layout, and jaxpar / maxtext.
+trainer and layout, and jaxpar / maxtext; beside it the ratio of the medians and of each
+process's CPU seconds per step over the same steps (sampled from /proc while it runs), which
+load from other processes disturbs less than wall time.
+
+Timing differs in one detail: MaxText times dispatch to dispatch with one step in flight
+(it reads a step's metrics after dispatching the next), jaxpar waits for every step's metrics
+(log_every=1). Over 15 steps both means are the steady-state time per step.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ LAYOUTS = {
 }
 ONEDNN_FLAGS = "--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=LIBRARY_FUSION_TYPE_DOT"
 MAXTEXT_STEP = re.compile(r"completed step: (\d+), seconds: ([0-9.]+)")
+JAXPAR_STEP = re.compile(r'^\{"step": (\d+),')
 
 
 def parse_jaxpar(metrics_jsonl: Path) -> dict[int, float]:
@@ -88,29 +95,85 @@ def _env(extra_xla: str = "") -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float, cwd: Path) -> str:
-    t0 = time.perf_counter()
-    with open(log_path, "w") as f:
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (Linux /proc), None where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Tail:
+    """The highest step (from 0) a growing file has reported so far, read incrementally."""
+
+    def __init__(self, path: Path, pattern: re.Pattern, offset: int = 0) -> None:
+        self.path, self.pattern, self.offset = path, pattern, offset
+        self.pos, self.rest, self.latest = 0, "", -1
+
+    def __call__(self) -> int:
         try:
-            proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"timed out after {timeout:.0f} s; log: {log_path}") from None
+            with open(self.path, errors="replace") as f:
+                f.seek(self.pos)
+                chunk = f.read()
+                self.pos = f.tell()
+        except OSError:
+            return self.latest
+        lines = (self.rest + chunk).split("\n")
+        self.rest = lines.pop()  # a partial last line waits for the next read
+        for line in lines:
+            m = self.pattern.search(line)
+            if m:
+                self.latest = max(self.latest, int(m.group(1)) - self.offset)
+        return self.latest
+
+
+def _run(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float, cwd: Path,
+         latest: Tail, skip: int, steps: int) -> tuple[str, float | None]:
+    """Run one trainer; returns its output and its CPU seconds per step over steps [skip, steps)
+    (sampled when step skip-1 and step steps-1 are first reported; None if either was missed).
+    CPU time is the work the process did, which load from other processes changes far less
+    than wall time (XLA's spinning threads still inflate it somewhat under contention)."""
+    t0 = time.perf_counter()
+    marks: dict[str, float | None] = {}
+    with open(log_path, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None:
+                if time.perf_counter() - t0 > timeout:
+                    proc.kill()
+                    proc.wait()
+                    raise RuntimeError(f"timed out after {timeout:.0f} s; log: {log_path}")
+                step = latest()
+                for key, at in (("start", skip - 1), ("end", steps - 1)):
+                    if key not in marks and step >= at:
+                        marks[key] = _cpu_seconds(proc.pid) if key == "end" or step < steps - 1 else None
+                time.sleep(0.05)
+        except BaseException:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise
     out = log_path.read_text(errors="replace")
     if proc.returncode != 0:
         tail = "\n".join(out.splitlines()[-15:])
         raise RuntimeError(f"exit {proc.returncode} after {time.perf_counter() - t0:.0f} s; log: {log_path}\n{tail}")
-    return out
+    start, end = marks.get("start"), marks.get("end")
+    cpu = (end - start) / (steps - skip) if start is not None and end is not None and skip > 0 else None
+    return out, cpu
 
 
-def run_jaxpar(args, layout: str, rep: int, work: Path) -> dict[int, float]:
+def run_jaxpar(args, layout: str, rep: int, work: Path) -> tuple[dict[int, float], float | None]:
     name = f"{layout}_{rep}"
     cmd = [args.jaxpar_python, "-m", "jaxpar.cli", "train", str(ROOT / "configs/quickstart.yaml"),
            f"name={name}", f"run_dir={work / 'jaxpar'}", f"train.steps={args.steps}",
            *JAXPAR_MODEL, *LAYOUTS[layout][0], *args.jaxpar_override]
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    _run(cmd, env, work / f"jaxpar_{name}.log", args.timeout, ROOT)
-    return parse_jaxpar(work / "jaxpar" / name / "metrics.jsonl")
+    metrics = work / "jaxpar" / name / "metrics.jsonl"
+    _, cpu = _run(cmd, env, work / f"jaxpar_{name}.log", args.timeout, ROOT,
+                  Tail(metrics, JAXPAR_STEP, offset=1), args.skip, args.steps)
+    return parse_jaxpar(metrics), cpu
 
 
 def maxtext_base_yml(python: str) -> str:
@@ -118,20 +181,41 @@ def maxtext_base_yml(python: str) -> str:
     return subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def run_maxtext(args, layout: str, rep: int, work: Path) -> dict[int, float]:
+def run_maxtext(args, layout: str, rep: int, work: Path) -> tuple[dict[int, float], float | None]:
     name = f"{layout}_{rep}"
     cmd = [args.maxtext_python, "-m", "maxtext.trainers.pre_train.train", args.base_yml,
            f"run_name={name}", f"base_output_directory={work / 'maxtext'}", f"steps={args.steps}",
            *MAXTEXT_MODEL, *LAYOUTS[layout][1], *args.maxtext_override]
     env = _env(ONEDNN_FLAGS if args.maxtext_onednn else "")
-    out = _run(cmd, env, work / f"maxtext_{name}.log", args.timeout, work)
-    return parse_maxtext(out)
+    log = work / f"maxtext_{name}.log"
+    out, cpu = _run(cmd, env, log, args.timeout, work, Tail(log, MAXTEXT_STEP), args.skip, args.steps)
+    return parse_maxtext(out), cpu
 
 
 def versions(python: str, cwd: Path) -> str:
     code = "import jax, jaxlib, flax; print(f'jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}')"
     r = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd=cwd)
     return r.stdout.strip() or "unknown"
+
+
+def format_table(results: dict[str, dict[str, list[dict]]]) -> str:
+    cols = ["layout", "jaxpar ms", "maxtext ms", "jaxpar/maxtext", "median ratio", "CPU ratio"]
+    rows = []
+    for layout, r in results.items():
+        if not (r["jaxpar"] and r["maxtext"]):
+            rows.append([layout, "(failed)", "", "", "", ""])
+            continue
+        jp, mt = ([t for run in r[k] for t in run["step_s"]] for k in ("jaxpar", "maxtext"))
+        cpu = [[run["cpu_per_step_s"] for run in r[k] if run["cpu_per_step_s"]] for k in ("jaxpar", "maxtext")]
+        ratio = statistics.fmean(jp) / statistics.fmean(mt)
+        rows.append([layout, f"{statistics.fmean(jp) * 1e3:.1f}", f"{statistics.fmean(mt) * 1e3:.1f}",
+                     f"{ratio:.2f}" + ("" if ratio <= TARGET else " *"),
+                     f"{statistics.median(jp) / statistics.median(mt):.2f}",
+                     f"{statistics.fmean(cpu[0]) / statistics.fmean(cpu[1]):.2f}" if all(cpu) else "n/a"])
+    width = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                                           enumerate(zip(cells, width))) + " |"
+    return "\n".join([line(cols), "|" + "|".join("-" * (w + 2) for w in width) + "|", *map(line, rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
     trainers = {"jaxpar": run_jaxpar, "maxtext": run_maxtext}
-    results: dict[str, dict[str, list[list[float]]]] = {}
+    results: dict[str, dict[str, list[dict]]] = {}
     failed = False
     for layout in layouts:
         results[layout] = {"jaxpar": [], "maxtext": []}
@@ -173,33 +257,23 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in trainers.items():
                 t0 = time.perf_counter()
                 try:
-                    times = window(fn(args, layout, rep, work), args.skip, args.steps)
+                    times, cpu = fn(args, layout, rep, work)
+                    times = window(times, args.skip, args.steps)
                 except (RuntimeError, ValueError, OSError) as e:
                     print(f"{layout} {name} #{rep}: FAILED: {e}", file=sys.stderr, flush=True)
                     failed = True
                     continue
-                results[layout][name].append(times)
+                results[layout][name].append({"step_s": times, "cpu_per_step_s": cpu})
+                cpu_txt = f"{cpu * 1e3:.0f} ms" if cpu is not None else "n/a"
                 print(f"{layout:12s} {name:8s} #{rep}: mean {statistics.fmean(times) * 1e3:8.1f} ms "
-                      f"(median {statistics.median(times) * 1e3:.1f}) over steps {args.skip}-{args.steps - 1}; "
-                      f"run {time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
+                      f"(median {statistics.median(times) * 1e3:.1f}, CPU {cpu_txt}) over steps "
+                      f"{args.skip}-{args.steps - 1}; run {time.perf_counter() - t0:.0f} s; "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
 
     print(f"\nmean step time of steps {args.skip}-{args.steps - 1}, {args.repeats} run(s) each, alternating; "
           f"target jaxpar/maxtext <= {TARGET}")
-    head = f"| {'layout':12s} | {'jaxpar ms':>10s} | {'maxtext ms':>10s} | {'jaxpar/maxtext':>14s} | {'median ratio':>12s} |"
-    print(head)
-    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
-    for layout, r in results.items():
-        if not (r["jaxpar"] and r["maxtext"]):
-            print(f"| {layout:12s} | {'(failed)':>10s} | {'':>10s} | {'':>14s} | {'':>12s} |")
-            continue
-        jp = [t for run in r["jaxpar"] for t in run]
-        mt = [t for run in r["maxtext"] for t in run]
-        ratio = statistics.fmean(jp) / statistics.fmean(mt)
-        med = statistics.median(jp) / statistics.median(mt)
-        mark = "" if ratio <= TARGET else " *"
-        print(f"| {layout:12s} | {statistics.fmean(jp) * 1e3:10.1f} | {statistics.fmean(mt) * 1e3:10.1f} | "
-              f"{ratio:12.2f}{mark:2s} | {med:12.2f} |")
-    print("(* above target)")
+    print(format_table(results))
+    print("(* above target; median ratio: of the medians; CPU ratio: of the processes' CPU seconds per step)")
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         Path(args.json).write_text(json.dumps({"steps": args.steps, "skip": args.skip, "results": results}, indent=1))

@@ -2,6 +2,8 @@
 (MaxText itself is not installed here; the script makes its own venv)."""
 import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,41 @@ def test_jaxpar_overrides_are_a_valid_config(layout):
     sizes = cfg.mesh.sizes()
     n = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
     assert n == 8 and cfg.data.source == "synthetic"
+
+
+def test_tail_reads_growing_file_and_partial_lines(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    tail = cm.Tail(p, cm.JAXPAR_STEP, offset=1)
+    assert tail() == -1  # no file yet
+    p.write_text('{"step": 1, "loss": 1}\n{"step": 2, "lo')
+    assert tail() == 0  # the partial line is not counted yet
+    with open(p, "a") as f:
+        f.write('ss": 1}\n')
+    assert tail() == 1
+
+
+def test_table_marks_above_target():
+    run = lambda ms, cpu: {"step_s": [ms / 1e3] * 3, "cpu_per_step_s": cpu}
+    text = cm.format_table({"data8": {"jaxpar": [run(80, 1.0)], "maxtext": [run(100, 2.0)]},
+                            "fsdp8": {"jaxpar": [run(100, None)], "maxtext": [run(100, 1.0)]},
+                            "dp2fsdp2tp2": {"jaxpar": [], "maxtext": [run(1, 1.0)]}})
+    lines = text.splitlines()
+    assert "0.80" in lines[2] and "*" not in lines[2] and "0.50" in lines[2]
+    assert "1.00 *" in lines[3] and "n/a" in lines[3]
+    assert "(failed)" in lines[4]
+
+
+def test_run_samples_cpu_time_between_steps(tmp_path):
+    """A stand-in trainer that burns CPU between its step records: _run sees the records as
+    they are written and reports CPU seconds per step over steps [skip, steps)."""
+    metrics = tmp_path / "metrics.jsonl"
+    fake = ("import json, sys, time\n"
+            "for s in range(1, 4):\n"
+            "    t = time.process_time()\n"
+            "    while time.process_time() - t < 0.2: pass\n"
+            "    with open(sys.argv[1], 'a') as f: f.write(json.dumps({'step': s, 'step_time_s': 0.2}) + '\\n')\n"
+            "    time.sleep(0.2)\n")
+    out, cpu = cm._run([sys.executable, "-c", fake, str(metrics)], dict(os.environ), tmp_path / "log",
+                       60, tmp_path, cm.Tail(metrics, cm.JAXPAR_STEP, offset=1), skip=1, steps=3)
+    assert cm.parse_jaxpar(metrics) == {0: 0.2, 1: 0.2, 2: 0.2}
+    assert cpu is not None and 0.1 < cpu < 0.5
