@@ -21,7 +21,7 @@ from jaxpar import nn
 from jaxpar.parallel.data import GATHERED, param_preparer, reduce_data_parallel, scatter_microbatch_grads
 from jaxpar.parallel.expert import expert_hook
 from jaxpar.parallel.tensor import activation_constrainer
-from jaxpar.sharding import Plan
+from jaxpar.sharding import Plan, vary
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import schedule_count
 
@@ -174,7 +174,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
 
         zeros = jax.eval_shape(lambda: scatter_microbatch_grads(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_out, plan, manual))
-        acc0 = jax.tree.map(lambda z, p: jnp.zeros(z.shape, p.dtype), zeros, params)
+        # the accumulator varies over the batch axes, like every microbatch gradient added to it
+        acc0 = jax.tree.map(lambda z, p: vary(jnp.zeros(z.shape, p.dtype), batch_busy), zeros, params)
         if run_pipeline is None:
             grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
         else:
@@ -188,12 +189,16 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             total = lambda x, _sum=total: _sum(x) / n_replicas
         return (total(losses.sum()), jax.tree.map(lambda a: total(a.sum(0)), aux)), grads, comm
 
+    # The batch arrives split over the batch axes of size > 1 only (the same layout as
+    # plan.batch_spec()): a size-1 axis in the spec would type every value as varying over it, and
+    # the reductions skip those axes, so nothing could be checked as replicated over them.
+    batch_busy = tuple(a for a in plan.batch_axes if plan.mesh.shape[a] > 1)
     comm_specs = spec.reducer.state_specs() if "comm" in spec.state_shardings else {}
     extra_specs = spec.reducer.extra_specs(grad_out) if spec.reducer is not None else {}
     sharded_grads = jax.shard_map(
         replicas.wrap(local_grads) if replicas else local_grads, mesh=plan.mesh,
-        in_specs=(replicas.replica_specs(param_in) if replicas else param_in, plan.batch_spec(), comm_specs, extra_specs),
-        out_specs=((P(), P()), replicas.replica_specs(final_out) if replicas else final_out, comm_specs), axis_names=set(manual), check_vma=False,
+        in_specs=(replicas.replica_specs(param_in) if replicas else param_in, P(batch_busy or None), comm_specs, extra_specs),
+        out_specs=((P(), P()), replicas.replica_specs(final_out) if replicas else final_out, comm_specs), axis_names=set(manual), check_vma=True,
     )
     grad_shardings = jax.tree.map(plan.sharding, final_specs, is_leaf=is_spec)
     if replicas:
