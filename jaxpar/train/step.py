@@ -164,6 +164,15 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         return add_sown(loss, sown, 1.0 / (group * grad_accum))
 
     def local_grads(params, tokens, comm, extra):
+        # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order
+        # of the psum's axes changes the rounding of the loss between processes
+        busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
+        # The params typed as varying over every manual axis (check_vma). Replicated ones would
+        # meet the per-device activations through an implicit pvary, whose transpose is a psum:
+        # JAX would sum their gradients inside the backward (then the reduction below would add
+        # them up again, N times the gradient; in a pipeline, inside a per-stage branch). Varying,
+        # each device gets its local gradient, and the reduction below is the one that is checked.
+        params = jax.tree.map(lambda p: vary(p, busy), params)
         n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * group
         mbs = tokens.reshape(grad_accum, tokens.shape[0] // grad_accum, tokens.shape[1])
 
@@ -181,9 +190,6 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         else:
             losses, grads, aux = run_pipeline(params, mbs, n_tokens)
         grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm, extra=extra, out_specs=final_out)
-        # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order
-        # of the psum's axes changes the rounding of the loss between processes
-        busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
         total = lambda x: jax.lax.psum(x, busy) if busy else x
         if n_replicas > 1:  # the replicas' means, averaged
             total = lambda x, _sum=total: _sum(x) / n_replicas
