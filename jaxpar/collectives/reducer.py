@@ -188,10 +188,7 @@ class GradientReducer:
 
     def state_specs(self):
         """PartitionSpecs of state["comm"]: a leading axis over the batch devices."""
-        # the batch axes of size > 1 only (the same layout): the step's shard_map would otherwise
-        # type the residuals, and all they touch, as varying over the size-1 ones
-        busy = tuple(a for a in self.manual if self.plan.mesh.shape[a] > 1)
-        spec = P(busy[0] if len(busy) == 1 else busy or None)
+        spec = P(self.manual if len(self.manual) > 1 else self.manual[0])
         return jax.tree.map(lambda _: spec, self._state_shapes(), is_leaf=lambda x: isinstance(x, tuple))
 
     def state_shardings(self):

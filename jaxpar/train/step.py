@@ -195,15 +195,17 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             total = lambda x, _sum=total: _sum(x) / n_replicas
         return (total(losses.sum()), jax.tree.map(lambda a: total(a.sum(0)), aux)), grads, comm
 
-    # The batch arrives split over the batch axes of size > 1 only (the same layout as
-    # plan.batch_spec()): a size-1 axis in the spec would type every value as varying over it, and
-    # the reductions skip those axes, so nothing could be checked as replicated over them.
+    # The batch (and the reducer's per-device residuals) arrive split over the batch axes of size
+    # > 1 only, the same layout: a size-1 axis in a spec would type every value as varying over
+    # it, and the reductions skip those axes, so nothing could be checked as replicated over them.
     batch_busy = tuple(a for a in plan.batch_axes if plan.mesh.shape[a] > 1)
-    comm_specs = spec.reducer.state_specs() if "comm" in spec.state_shardings else {}
+    busy_part = lambda s: plan.manual_part(s, batch_busy)
+    comm_specs = jax.tree.map(busy_part, spec.reducer.state_specs(), is_leaf=is_spec) \
+        if "comm" in spec.state_shardings else {}
     extra_specs = spec.reducer.extra_specs(grad_out) if spec.reducer is not None else {}
     sharded_grads = jax.shard_map(
         replicas.wrap(local_grads) if replicas else local_grads, mesh=plan.mesh,
-        in_specs=(replicas.replica_specs(param_in) if replicas else param_in, P(batch_busy or None), comm_specs, extra_specs),
+        in_specs=(replicas.replica_specs(param_in) if replicas else param_in, busy_part(plan.batch_spec()), comm_specs, extra_specs),
         out_specs=((P(), P()), replicas.replica_specs(final_out) if replicas else final_out, comm_specs), axis_names=set(manual), check_vma=True,
     )
     grad_shardings = jax.tree.map(plan.sharding, final_specs, is_leaf=is_spec)
