@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.sharding import vary_together
+
 AxisNames = tuple[str | None, ...]
 
 
@@ -149,7 +151,9 @@ def scan_stack(stack: nnx.Module, carry: Any, fn: Callable[[nnx.Module, Any], An
 
     if ctx.remat != "none" or ctx.never_save:
         body = jax.checkpoint(body, policy=remat_policy(ctx.remat, ctx.never_save), prevent_cse=False)
-    carry, _ = jax.lax.scan(body, carry, state)
+    # A carry part that starts replicated (the MoE router-loss sums' zeros) varies once a layer
+    # has added to it; typed so from the start, as scan needs (shard_map's check_vma).
+    carry, _ = jax.lax.scan(body, vary_together(carry, state), state)
     return carry
 
 

@@ -103,6 +103,28 @@ class Plan:
         return P(*(keep(e) for e in spec))
 
 
+def varying_axes(x) -> frozenset[str]:
+    """The manual axes `x` varies over, as shard_map's check_vma types it (empty outside one)."""
+    return frozenset(jax.typeof(x).mat.varying)
+
+
+def vary(x: jax.Array, axes) -> jax.Array:
+    """`x` typed as varying over the manual `axes` (shard_map's check_vma), for a value that is
+    per-device by construction though JAX cannot infer it (a loop carry's zeros, which each
+    device accumulates its own values into). Axes it already varies over are left as they are.
+    jax.lax.pcast(to="varying") is in every JAX jaxpar supports (pvary is gone since 0.10)."""
+    todo = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, todo, to="varying") if todo else x
+
+
+def vary_together(tree, *refs):
+    """`tree` with every leaf varying over all the axes that any leaf of `tree` or `refs` varies
+    over: a loop carry typed as its loop body will return it (a carry's type must not change
+    between iterations, and what a body computes from them varies over all of its inputs' axes)."""
+    axes = frozenset().union(*map(varying_axes, jax.tree.leaves((tree, refs))))
+    return jax.tree.map(lambda x: vary(x, tuple(sorted(axes))), tree)
+
+
 def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...], int]]) -> dict:
     """Fail when more than the tolerance of parameter bytes is replicated against the plan.
 

@@ -25,6 +25,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.sharding import vary, varying_axes
 
 Payload = dict[str, jax.Array]
 
@@ -62,8 +65,36 @@ class Group:
         """x: [size * k, ...]; block j goes to member j; row block i of the result came from member i."""
         return jax.lax.all_to_all(x, self.name, 0, 0, axis_index_groups=self._groups, tiled=True)
 
+    @property
+    def checkable(self) -> bool:
+        """Whether shard_map's replication check (check_vma) can follow this group's collectives:
+        not over axis_index_groups (see `unchecked`)."""
+        return self.index_groups is None
+
     def all_gather(self, x):
+        if self.checkable:  # every member receives the same array: typed as replicated over it
+            return jax.lax.all_gather(x, self.name, axis=0, tiled=True, to="invarying")
         return jax.lax.all_gather(x, self.name, axis=0, axis_index_groups=self._groups, tiled=True)
+
+
+def unchecked(fn, *args, replicated: tuple[str, ...]):
+    """fn(*args) -> (total, state) for a reduction whose collectives run over axis_index_groups
+    (gradient_compression.scope: dcn, which splits `data` into in-host and across-host groups),
+    where JAX cannot check replication: it types a grouped all_gather's output as still varying
+    over the whole axis, and has no grouped psum under the check at all (NotImplementedError).
+    The exemption is this call alone: `fn` runs in a nested shard_map over the manual axes that
+    `args` vary over with check_vma=False (which moves no data and types every output as
+    replicated), and its outputs are typed again by hand: `total` as replicated over
+    `replicated` -- the caller's reduction sums over those axes' groups and then gathers over
+    the rest of each axis, so every device holds the same total -- and varying over the others;
+    `state` (error-feedback residuals: per device) as varying over all of them."""
+    axes = frozenset().union(*map(varying_axes, jax.tree.leaves(args)))
+    if not axes:
+        return fn(*args)
+    total, state = jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(),) * len(args),
+                                 out_specs=P(), axis_names=set(axes), check_vma=False)(*args)
+    keep = tuple(sorted(axes - set(replicated)))
+    return jax.tree.map(lambda x: vary(x, keep), total), jax.tree.map(lambda x: vary(x, sorted(axes)), state)
 
 
 class Compressor:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.collectives.base import Compressor, Group
+from jaxpar.collectives.base import Compressor, Group, unchecked
 from jaxpar.collectives.methods import make_compressor
 from jaxpar.collectives.powersgd import PowerSGD, init_q, matrix_split
 from jaxpar.config import ConfigError
@@ -46,6 +46,11 @@ class Bucket:
     length: int = 0                       # local elements of all leaves
     padded: int = 0
     matrices: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # powersgd: leaf -> (b, m, n)
+
+    @property
+    def checkable(self) -> bool:
+        """Whether check_vma can follow the bucket's collectives (no axis_index_groups)."""
+        return all(g.checkable for g in [self.compressed, *self.outer] if g is not None)
 
 
 def data_host_groups(mesh, dcn: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -242,11 +247,8 @@ class GradientReducer:
             st = comm.get(b.key, {})
             flat = jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in b.leaves])
             flat = jnp.pad(flat, (0, b.padded - b.length))
-            for g in b.outer:
-                flat = g.psum_scatter(flat)
-            flat, st = self.comp.reduce(flat, st, b.compressed)
-            for g in reversed(b.outer):
-                flat = g.all_gather(flat)
+            reduce = lambda flat, st, b=b: self._reduce_flat(b, flat, st)
+            flat, st = reduce(flat, st) if b.checkable else unchecked(reduce, flat, st, replicated=b.rest)
             if st:
                 new_comm[b.key] = st
             off = 0
@@ -257,6 +259,15 @@ class GradientReducer:
         new_comm = jax.tree.map(lambda x: x[None], new_comm)
         return jax.tree.unflatten(self.treedef, out), new_comm
 
+    def _reduce_flat(self, b: Bucket, flat, st):
+        """A flat bucket summed over b.rest: float32 over the outer groups, compressed over X."""
+        for g in b.outer:
+            flat = g.psum_scatter(flat)
+        flat, st = self.comp.reduce(flat, st, b.compressed)
+        for g in reversed(b.outer):
+            flat = g.all_gather(flat)
+        return flat, st
+
     def _reduce_powersgd(self, b: Bucket, leaves, out, st) -> dict:
         new = {}
         for i in b.leaves:
@@ -264,12 +275,15 @@ class GradientReducer:
             if i not in b.matrices:
                 out[i] = jax.lax.psum(g, b.rest)
                 continue
-            for grp in b.outer:
-                g = grp.psum(g)
             bb, m, n = b.matrices[i]
             name = self.paths[i]
-            approx, new[name] = self.comp.reduce_matrix(
-                g.reshape(bb, m, n).astype(jnp.float32), st[name], b.compressed)
+
+            def reduce(g, st):
+                for grp in b.outer:
+                    g = grp.psum(g)
+                return self.comp.reduce_matrix(g.reshape(bb, m, n).astype(jnp.float32), st, b.compressed)
+            approx, new[name] = reduce(g, st[name]) if b.checkable else \
+                unchecked(reduce, g, st[name], replicated=b.rest)
             out[i] = approx.reshape(g.shape).astype(g.dtype)
         return new
 

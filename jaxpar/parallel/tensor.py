@@ -41,6 +41,8 @@ def activation_constrainer(plan: Plan, manual: frozenset[str]) -> Callable:
         if len(axes) != x.ndim:
             raise ValueError(f"constrain: axes {axes} do not match an array of rank {x.ndim}")
         spec = drop_axes(plan.spec(tuple(axes), None, use="act"), manual)
-        return jax.lax.with_sharding_constraint(x, NamedSharding(plan.mesh, spec))
+        # the shard_map's own (abstract) mesh, whose manual axes are typed Manual: a value that
+        # varies over them (check_vma) cannot be constrained on the all-Auto concrete mesh
+        return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
 
     return constrain

@@ -27,7 +27,7 @@ from jaxpar.parallel.data import GATHERED, param_preparer, reduce_data_parallel,
 from jaxpar.parallel.expert import expert_hook
 from jaxpar.parallel.pipeline import make_step_pipeline, stacked_paths
 from jaxpar.parallel.tensor import activation_constrainer
-from jaxpar.sharding import Plan
+from jaxpar.sharding import Plan, vary
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import schedule_count
 from jaxpar.train.sown import add_sown, flat_metrics
@@ -175,6 +175,15 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         return add_sown(loss, sown, 1.0 / (group * grad_accum))
 
     def local_grads(params, tokens, comm, extra):
+        # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order
+        # of the psum's axes changes the rounding of the loss between processes
+        busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
+        # The params typed as varying over every manual axis (check_vma). Replicated ones would
+        # meet the per-device activations through an implicit pvary, whose transpose is a psum:
+        # JAX would sum their gradients inside the backward (then the reduction below would add
+        # them up again, N times the gradient; in a pipeline, inside a per-stage branch). Varying,
+        # each device gets its local gradient, and the reduction below is the one that is checked.
+        params = jax.tree.map(lambda p: vary(p, busy), params)
         n_tokens = tokens.shape[0] * (tokens.shape[1] - 1) * group
         mbs = tokens.reshape(grad_accum, tokens.shape[0] // grad_accum, tokens.shape[1])
 
@@ -185,26 +194,32 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
 
         zeros = jax.eval_shape(lambda: scatter_microbatch_grads(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_out, plan, manual))
-        acc0 = jax.tree.map(lambda z: jnp.zeros(z.shape, grad_dtype(grad_accum, grad_reduce_dtype)), zeros)
+        # the accumulator varies over the batch axes, like every microbatch gradient added to it
+        acc0 = jax.tree.map(lambda z: vary(jnp.zeros(z.shape, grad_dtype(grad_accum, grad_reduce_dtype)),
+                                           batch_busy), zeros)
         if run_pipeline is None:
             grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
         else:
             losses, grads, aux = run_pipeline(params, mbs, n_tokens)
-        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm, extra=extra, out_specs=final_out, dtype=rdt)
-        # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order
-        # of the psum's axes changes the rounding of the loss between processes
-        busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
+        grads, comm = reduce_data_parallel(grads, grad_out, manual, plan.mesh.shape, spec.reducer, comm,
+                                           extra=extra, out_specs=final_out, dtype=rdt)
         total = lambda x: jax.lax.psum(x, busy) if busy else x
         if n_replicas > 1:  # the replicas' means, averaged
             total = lambda x, _sum=total: _sum(x) / n_replicas
         return (total(losses.sum()), jax.tree.map(lambda a: total(a.sum(0)), aux)), grads, comm
 
-    comm_specs = spec.reducer.state_specs() if "comm" in spec.state_shardings else {}
+    # The batch (and the reducer's per-device residuals) arrive split over the batch axes of size
+    # > 1 only, the same layout: a size-1 axis in a spec would type every value as varying over
+    # it, and the reductions skip those axes, so nothing could be checked as replicated over them.
+    batch_busy = tuple(a for a in plan.batch_axes if plan.mesh.shape[a] > 1)
+    busy_part = lambda s: plan.manual_part(s, batch_busy)
+    comm_specs = jax.tree.map(busy_part, spec.reducer.state_specs(), is_leaf=is_spec) \
+        if "comm" in spec.state_shardings else {}
     extra_specs = spec.reducer.extra_specs(grad_out) if spec.reducer is not None else {}
     sharded_grads = jax.shard_map(
         replicas.wrap(local_grads) if replicas else local_grads, mesh=plan.mesh,
-        in_specs=(replicas.replica_specs(param_in) if replicas else param_in, plan.batch_spec(), comm_specs, extra_specs),
-        out_specs=((P(), P()), replicas.replica_specs(final_out) if replicas else final_out, comm_specs), axis_names=set(manual), check_vma=False,
+        in_specs=(replicas.replica_specs(param_in) if replicas else param_in, busy_part(plan.batch_spec()), comm_specs, extra_specs),
+        out_specs=((P(), P()), replicas.replica_specs(final_out) if replicas else final_out, comm_specs), axis_names=set(manual), check_vma=True,
     )
     grad_shardings = jax.tree.map(plan.sharding, final_specs, is_leaf=is_spec)
     if replicas:

@@ -81,7 +81,9 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
     manual = frozenset(plan.batch_axes) | {"pipeline"}
     ctx = dataclasses.replace(ctx, constrain=context_mesh_constrainer(plan, manual))
     share = 1.0 / (plan.batch_size_divisor * m)  # sown values: one microbatch's share of the batch
-    run = make_pipeline_grads(model, tt, ctx, prepare_top, loss_sum_fn, scatter, grad_specs, stacked, share)
+    busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
+    run = make_pipeline_grads(model, tt, ctx, prepare_top, loss_sum_fn, scatter, grad_specs, stacked, share,
+                              busy)
     return run, m
 
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import nn
+from jaxpar.sharding import vary, varying_axes
 from jaxpar.train.model import nest
 from jaxpar.train.sown import add_sown
 from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, F_FIRST, F_MID, IDLE,
@@ -92,13 +93,15 @@ def from_interleaved(x: jax.Array, p: int, v: int) -> jax.Array:
 
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
                         loss_sum_fn: Callable, scatter: Callable, grad_specs: Any,
-                        stacked: set[tuple], share: float = 1.0) -> Callable:
+                        stacked: set[tuple], share: float = 1.0, manual: tuple[str, ...] = ()) -> Callable:
     """run(params, mbs, n_tokens) -> (losses [1], local grads, sown [1]): the pipelined equivalent
     of summing jax.value_and_grad(loss) over the microbatches `mbs` [m, b, seq+1]. Sown values
     are weighted by `share` (a microbatch's fraction of the global batch), as in the plain step.
 
     `prepare_top(state)` casts/gathers the non-layer params, `scatter(grads, specs)` is the
-    per-microbatch gradient reduction (ZeRO-2), `stacked` the param paths with a `layers` dim.
+    per-microbatch gradient reduction (ZeRO-2), `stacked` the param paths with a `layers` dim,
+    `manual` the shard_map's manual axes of size > 1: every tick's carry (accumulators, ring
+    buffers) and every branch's zeros vary over them (check_vma), as what fills them does.
     """
     tt = timetable
     p, v, G = tt.p, tt.v, tt.stages
@@ -162,7 +165,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return {n: acc[n] + g[n].astype(acc[n].dtype) for n in acc}
 
         x_sds = jax.eval_shape(lambda: pre(top, chunk(0), mbs[0]))
-        zeros_x = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x_sds)
+        zeros_x = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), manual), x_sds)
         sown_sds = jax.eval_shape(lambda: post(top, chunk(0), body(top, chunk(0), zeros_x, mbs[0]), mbs[0]))[1][1]
         tree_at = lambda buf, i: jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, keepdims=False), buf)
 
@@ -190,7 +193,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         def b_last(at, al, loss, x, g, tok, k):
             val, vjp, (lm, sown) = jax.vjp(lambda t, lk, xi: post(t, lk, body(t, lk, xi, tok), tok),
                                            top, chunk(k), x, has_aux=True)
-            dt, dl, dx = vjp(jnp.ones(val.shape, val.dtype))
+            dt, dl, dx = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
             loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
             return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx
 
@@ -219,8 +222,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             gbuf = put(gbuf, g_recv, jnp.where(rg < 0, n_g, rg))
             return (at, al, loss, xbuf, gbuf), None
 
-        acc_top = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-            lambda: scatter(top, {n: flat_specs[n] for n in top})))
+        acc_top = jax.eval_shape(lambda: scatter(top, {n: flat_specs[n] for n in top}))
         # microbatch gradients accumulate in float32 whatever the params' dtype (bf16 would
         # round each addition)
         acc_top = {n: jnp.zeros(a.shape, jnp.float32) for n, a in acc_top.items()}
@@ -229,7 +231,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         acc_lay = {n: jnp.zeros((v, *a.shape), jnp.float32) for n, a in acc_lay.items()}
         buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
         loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
-        carry = (acc_top, acc_lay, loss0, buf(n_x), buf(n_g))
+        carry = jax.tree.map(lambda a: vary(a, manual), (acc_top, acc_lay, loss0, buf(n_x), buf(n_g)))
         (acc_top, acc_lay, (loss, sown), _, _), _ = jax.lax.scan(tick, carry, table)
         if v > 1:
             acc_lay = {n: from_interleaved(a, p, v) for n, a in acc_lay.items()}
