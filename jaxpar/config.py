@@ -310,7 +310,7 @@ class TrainConfig(Strict):
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
+    remat: Literal[REMAT_POLICIES] = "none"  # jaxpar.nn.REMAT_POLICIES maps each to a policy
     log_every: int = Field(1, gt=0)
     progress: bool = True
     resume: str = Field("auto", description="auto (latest good checkpoint of the run), never, or a path")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import jax
 import numpy as np
@@ -94,13 +94,20 @@ class Plan:
 
     def manual_part(self, spec: P, manual: tuple[str, ...]) -> P:
         """Keep only the manual axes of a spec (shard_map in/out specs)."""
-        def keep(entry):
-            if entry is None:
-                return None
-            names = (entry,) if isinstance(entry, str) else tuple(entry)
-            kept = tuple(a for a in names if a in manual)
-            return None if not kept else kept[0] if len(kept) == 1 else kept
-        return P(*(keep(e) for e in spec))
+        return select_axes(spec, lambda a: a in manual)
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, one name, or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def select_axes(spec: P, keep: Callable[[str], bool]) -> P:
+    """`spec` with only the mesh axes for which keep(axis) holds."""
+    def entry(e):
+        kept = tuple(a for a in entry_axes(e) if keep(a))
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*(entry(e) for e in spec))
 
 
 def varying_axes(x) -> frozenset[str]:

@@ -129,3 +129,10 @@ def test_unwritable_checkpoint_dir_is_one_error_before_training(tmp_path, capsys
     assert rc == 2, err
     assert "checkpoint.dir='/proc/jaxpar-x': cannot create or write /proc/jaxpar-x: No such file" in err, err
     assert "Traceback" not in err and not list(tmp_path.rglob("metrics.jsonl"))
+
+
+def test_every_remat_policy_of_the_config_has_a_policy():
+    """One list of remat policies: the config's names are exactly the policies jaxpar.nn runs."""
+    from jaxpar import nn
+    from jaxpar.config import REMAT_POLICIES
+    assert tuple(nn.REMAT_POLICIES) == REMAT_POLICIES

@@ -31,7 +31,8 @@ def lower(overrides, devices):
 def test_missing_reduction_fails_at_trace_time(name, devices, monkeypatch):
     lower(LAYOUTS[name], devices)  # the step as it is traces
 
-    def local_only(grads, grad_specs, manual, sizes, reducer=None, comm=None, extra=None, out_specs=None):
+    def local_only(grads, grad_specs, manual, sizes, reducer=None, comm=None, extra=None, out_specs=None,
+                   dtype=None):
         return grads, (comm if reducer is not None else {})  # each device's own gradient
 
     monkeypatch.setattr("jaxpar.train.step.reduce_data_parallel", local_only)

@@ -35,9 +35,7 @@ The rough formula is the same for the whole model with Psi params (4 bytes each)
 from __future__ import annotations
 
 import math
-import re
 import time
-from collections import defaultdict
 from typing import Callable
 
 import jax
@@ -49,7 +47,7 @@ from jaxpar.config import Config
 from jaxpar.mesh import describe
 from jaxpar.metrics import COLLECTIVE_KINDS, collective_ops
 from jaxpar.metrics.hlo import group_size
-from jaxpar.sharding import ZERO_AXIS, Plan
+from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes
 from jaxpar.train.step import DTYPES
 from jaxpar.train.trainer import Trainer
 
@@ -92,10 +90,6 @@ def measured(hlo_text: str, n_devices: int) -> dict[str, dict]:
 # --------------------------------------------------------------------------- analytic
 
 
-def _names(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def analytic(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_itemsize: int,
              compute_itemsize: int, grad_itemsize: int | None = None) -> dict[str, dict]:
     """The minimum per-device result and wire bytes per kind for `plan` (see module doc);
@@ -115,11 +109,11 @@ def analytic(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_items
     for ax, sds in leaves:
         shape = sds.shape
         full = plan.spec(ax, shape, "act")  # every mesh axis the rules give this param
-        local = [d // size(tuple(a for a in _names(e) if a not in batch))
+        local = [d // size(tuple(a for a in entry_axes(e) if a not in batch))
                  for d, e in zip(shape, (*full, *(None,) * (len(shape) - len(full))))]
         elems = math.prod(local)
         opt = plan.spec(ax, shape, "opt")
-        z = tuple(a for e in opt for a in _names(e) if a in batch)
+        z = tuple(a for e in opt for a in entry_axes(e) if a in batch)
         nz, rest = size(z), tuple(a for a in batch if a not in z)
         if plan.zero_stage == 0 or nz == 1:
             add("all-reduce", elems * gsz, size(batch))

@@ -26,13 +26,10 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError
+from jaxpar.sharding import entry_axes
 from jaxpar.parallel.data import reduce_final_grads, sharded_dims
 
 AXIS = "data"
-
-
-def _names(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 class LocalSGD:
@@ -52,7 +49,7 @@ class LocalSGD:
         if optimizer is not None and getattr(optimizer, "name", "adamw") != "adamw":
             raise ConfigError(f"local_sgd runs AdamW inside each replica, not optimizer.name={optimizer.name!r}")
         is_spec = lambda x: isinstance(x, P)
-        if any(AXIS in _names(e) for s in jax.tree.leaves(param_specs, is_leaf=is_spec) for e in s):
+        if any(AXIS in entry_axes(e) for s in jax.tree.leaves(param_specs, is_leaf=is_spec) for e in s):
             raise ConfigError("local_sgd: parameters sharded over `data` (sharding.rules) cannot form replicas")
         self.nesterov = cfg.outer == "nesterov"
 

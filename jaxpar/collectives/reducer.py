@@ -30,10 +30,7 @@ from jaxpar.collectives.base import Compressor, Group, unchecked
 from jaxpar.collectives.methods import make_compressor
 from jaxpar.collectives.powersgd import PowerSGD, init_q, matrix_split
 from jaxpar.config import ConfigError
-
-
-def _names(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+from jaxpar.sharding import entry_axes, vary, varying_axes
 
 
 @dataclass
@@ -104,11 +101,11 @@ class GradientReducer:
         self.local_shapes, self.layered, rests = [], [], []
         for spec, sds, ax in zip(specs, shapes, axes):
             entries = (*spec, *(None,) * (len(sds.shape) - len(spec)))
-            local = tuple(d // math.prod(sizes[a] for a in _names(e) if a in self.manual)
+            local = tuple(d // math.prod(sizes[a] for a in entry_axes(e) if a in self.manual)
                           for d, e in zip(sds.shape, entries))
             self.local_shapes.append(local)
             self.layered.append(bool(ax) and ax[0] == "layers")
-            done = {a for e in entries for a in _names(e) if a in self.manual}
+            done = {a for e in entries for a in entry_axes(e) if a in self.manual}
             rests.append(tuple(sorted(a for a in self.manual if a not in done and sizes[a] > 1)))
         self.buckets: list[Bucket] = []
         for rest in sorted(set(rests)):
@@ -218,8 +215,8 @@ class GradientReducer:
         During gradient_compression.warmup_steps the reduction is the float32 psum (residuals
         untouched), then the compressed one."""
         if self.cfg.warmup_steps and extra and "step" in extra:
-            return jax.lax.cond(extra["step"] >= self.cfg.warmup_steps, self._compressed, self._plain,
-                                grads, comm)
+            return jax.lax.cond(extra["step"] >= self.cfg.warmup_steps, _per_device_state(self._compressed),
+                                _per_device_state(self._plain), grads, comm)
         return self._compressed(grads, comm)
 
     def _plain(self, grads, comm):
@@ -296,3 +293,13 @@ class GradientReducer:
                 outer = "".join(f" (float32 over {g.describe()})" for g in b.outer)
                 parts.append(f"{b.key}: {self.comp.name} over {b.compressed.describe()}{outer}")
         return "; ".join(parts) or "no reduction"
+
+
+def _per_device_state(branch):
+    """`branch` whose new comm state is typed as varying like the state that came in (one row
+    per device): the two branches of the warm-up cond must agree, and PowerSGD's Q, all-reduced
+    in the compressed branch, is the same on every device while the warm-up passes it through."""
+    def run(grads, comm):
+        grads, new = branch(grads, comm)
+        return grads, jax.tree.map(lambda n, old: vary(n, tuple(sorted(varying_axes(old)))), new, comm)
+    return run

@@ -23,15 +23,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.nn import axes_of
 
 GATHERED = "jaxpar_zero3_gathered"
-from jaxpar.sharding import ZERO_AXIS, Plan
+from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes
 
 
 def sharded_dims(spec: P, axes: set[str] | frozenset[str]) -> list[tuple[int, tuple[str, ...]]]:
     """[(dim, mesh axes)] for the dims of `spec` that use any of `axes`."""
     out = []
     for i, entry in enumerate(spec):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        hit = tuple(a for a in names if a in axes)
+        hit = tuple(a for a in entry_axes(entry) if a in axes)
         if hit:
             out.append((i, hit))
     return out

@@ -14,17 +14,12 @@ from typing import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.sharding import Plan
+from jaxpar.sharding import Plan, select_axes
 
 
 def drop_axes(spec: P, axes: frozenset[str] | set[str]) -> P:
-    def keep(entry):
-        if entry is None:
-            return None
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(a for a in names if a not in axes)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-    return P(*(keep(e) for e in spec))
+    """`spec` without the mesh axes `axes` (the manual ones, inside a shard_map)."""
+    return select_axes(spec, lambda a: a not in axes)
 
 
 def activation_constrainer(plan: Plan, manual: frozenset[str]) -> Callable:

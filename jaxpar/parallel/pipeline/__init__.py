@@ -9,39 +9,17 @@ microbatch count is train.grad_accum); `mesh.pipeline` is the number of devices 
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
-
-import jax
-from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, PipelineConfig
 from jaxpar.parallel.pipeline.runner import flatten, make_pipeline_grads
 from jaxpar.parallel.pipeline.schedule import (SCHEDULES, Timetable, build_timetable, check_schedule,
                                                idle_formula, plot_timetable)
-from jaxpar.parallel.tensor import drop_axes
 
 
 def stacked_paths(model) -> set[tuple]:
     """Param paths whose leading dim is `layers` (what the pipeline splits into stages)."""
     return {k for k, ax in flatten(model.axes).items() if ax[:1] == ("layers",)}
-
-
-def context_mesh_constrainer(plan, manual: frozenset[str]) -> Callable:
-    """Activation constraints as bare PartitionSpecs, resolved against the context (partly
-    manual) mesh. The step's constrainer names the concrete all-Auto mesh; under lax.switch +
-    jax.vjp its transpose then leaks that mesh into cotangent avals and jax 0.12 fails
-    ("Context mesh ... should match the mesh of sharding ...") once `tensor` > 1."""
-    auto = [a for a, n in plan.mesh.shape.items() if a not in manual and n > 1]
-    if not auto:
-        return lambda x, axes: x
-
-    def constrain(x, axes):
-        if len(axes) != x.ndim:
-            raise ValueError(f"constrain: axes {axes} do not match an array of rank {x.ndim}")
-        return jax.lax.with_sharding_constraint(x, P(*drop_axes(plan.spec(tuple(axes), None, use="act"), manual)))
-
-    return constrain
 
 
 def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
@@ -79,7 +57,6 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
     check_schedule(cfg.schedule, p, m, cfg.virtual_stages, n_layers.pop())
     tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages)
     manual = frozenset(plan.batch_axes) | {"pipeline"}
-    ctx = dataclasses.replace(ctx, constrain=context_mesh_constrainer(plan, manual))
     share = 1.0 / (plan.batch_size_divisor * m)  # sown values: one microbatch's share of the batch
     busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
     run = make_pipeline_grads(model, tt, ctx, prepare_top, loss_sum_fn, scatter, grad_specs, stacked, share,
