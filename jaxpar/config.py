@@ -477,7 +477,8 @@ class DistributedConfig(Strict):
 
     @model_validator(mode="after")
     def _id_in_range(self) -> "DistributedConfig":
-        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+        if (self.num_processes is not None and self.process_id is not None
+                and self.process_id >= self.num_processes):
             raise ValueError(f"process_id={self.process_id} is not in 0..{self.num_processes - 1} "
                              f"(num_processes={self.num_processes})")
         return self

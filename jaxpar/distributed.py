@@ -60,7 +60,8 @@ class Settings:
     def describe(self) -> str:
         who = (f"process {self.process_id} of {self.num_processes}"
                if self.process_id is not None and self.num_processes is not None else "this process")
-        return f"{who}, coordinator {self.coordinator_address or '(from ' + self.method + ')'} ({self.source})"
+        coordinator = self.coordinator_address or "(from " + self.method + ")"
+        return f"{who}, coordinator {coordinator} ({self.source})"
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -249,7 +250,8 @@ def initialize(cfg: DistributedConfig | None = None, environ: Mapping[str, str] 
     try:
         jax.distributed.initialize(
             coordinator_address=s.coordinator_address, num_processes=s.num_processes,
-            process_id=s.process_id, local_device_ids=list(s.local_device_ids) if s.local_device_ids else None,
+            process_id=s.process_id,
+            local_device_ids=list(s.local_device_ids) if s.local_device_ids else None,
             cluster_detection_method=("deactivate" if None not in (s.coordinator_address, s.num_processes,
                                                                    s.process_id) else s.method),
             # jax aborts the process at its own timeout: the watchdog must come first

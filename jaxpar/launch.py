@@ -15,9 +15,10 @@ data, process-0 logging, checkpoints written by all) on one machine; real cluste
 - When a process fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after
   `--kill-timeout` seconds; the launcher exits non-zero. It never waits on a broken group.
 - `--max-restarts R` starts the group again (R times at most; not after exit code 2, a
-  configuration error); `jaxpar train` resumes from the latest checkpoint (train.resume=auto). A rank that fails twice in a row cannot come back: with
-  `--min-nprocs M` below N the group restarts without it (down to M processes), and the run's
-  elastic resume adapts the mesh and grad_accum to the smaller device count.
+  configuration error); `jaxpar train` resumes from the latest checkpoint (train.resume=auto).
+  A rank that fails twice in a row cannot come back: with `--min-nprocs M` below N the group
+  restarts without it (down to M processes), and the run's elastic resume adapts the mesh and
+  grad_accum to the smaller device count.
 
 The children see JAXPAR_COORDINATOR_ADDRESS / JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID (read by
 `jaxpar.distributed.initialize`), JAXPAR_RESTART_COUNT (the attempt, from 0), XLA_FLAGS
@@ -230,7 +231,8 @@ class Launcher:
                             f"{self.opts.kill_timeout:g}s)" if rest else ""))
                 for r in rest:
                     self._send(self.procs[r], signal.SIGTERM)
-                kill_at = now + self.opts.kill_timeout if kill_at is None else min(kill_at, now + self.opts.kill_timeout)
+                kill_deadline = now + self.opts.kill_timeout
+                kill_at = kill_deadline if kill_at is None else min(kill_at, kill_deadline)
             if all(c is not None for c in codes):
                 break
             if kill_at is not None and now >= kill_at:

@@ -1,4 +1,5 @@
-"""The package's import graph has no cycles, models name no mesh axis, and the config is light.
+"""The package's import graph has no cycles, models name no mesh axis, the config is light, and
+no line in jaxpar/ is over MAX_LINE characters.
 
 A cycle held apart by a function-local import still couples the two modules, so every import
 counts, at module level or inside a function; only an import whose line carries a
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxpar", "models")
 MESH_AXES = {"data", "fsdp", "pipeline", "tensor", "expert", "context"}
 OPTIONAL = "# optional:"
+MAX_LINE = 110  # characters, in jaxpar/**/*.py (issue 13)
 
 
 def module_files() -> dict[str, Path]:
@@ -172,3 +174,10 @@ def test_import_config_does_not_import_jax():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_no_line_over_110_characters_in_jaxpar():
+    found = [f"{path.relative_to(ROOT)}:{i}: {len(line)} characters"
+             for path in sorted((ROOT / "jaxpar").rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > MAX_LINE]
+    assert not found, f"lines over {MAX_LINE} characters (re-wrap them):\n" + "\n".join(found)

@@ -74,7 +74,8 @@ def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
 
 def measured(hlo_text: str, n_devices: int) -> dict[str, dict]:
     """Per kind: ops, result bytes and ring wire bytes per step (loop trip counts applied)."""
-    out = {k: {"ops": 0, "result_bytes": 0, "wire_bytes": 0.0, "group_sizes": set()} for k in COLLECTIVE_KINDS}
+    out = {k: {"ops": 0, "result_bytes": 0, "wire_bytes": 0.0, "group_sizes": set()}
+           for k in COLLECTIVE_KINDS}
     for op in collective_ops(hlo_text, count_loops=True):
         n = group_size(op.replica_groups, n_devices)
         row = out[op.kind]
@@ -105,7 +106,8 @@ def analytic(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_items
             out[kind]["result_bytes"] += times * result
             out[kind]["wire_bytes"] += times * wire_bytes(kind, result, n)
 
-    leaves = zip(jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(shapes_tree))
+    leaves = zip(jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple)),
+                 jax.tree.leaves(shapes_tree))
     for ax, sds in leaves:
         shape = sds.shape
         full = plan.spec(ax, shape, "act")  # every mesh axis the rules give this param
@@ -129,7 +131,8 @@ def analytic(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_items
     return out
 
 
-def rough(n_params: int, n: int, stage: int, grad_accum: int, dp: bool = False) -> dict[str, tuple[str, float]]:
+def rough(n_params: int, n: int, stage: int, grad_accum: int,
+          dp: bool = False) -> dict[str, tuple[str, float]]:
     """Whole-model figures with Psi params of 4 bytes: kind -> (formula, result bytes)."""
     p = 4 * n_params
     if dp or stage == 0:
@@ -195,9 +198,12 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, stages=STAGES,
 def format_result(res: dict) -> str:
     t = res["train"]
     head = (f"collective bytes per step per device: {res['n_params']:,} params (Psi), batch "
-            f"{t['global_batch']} x {t['seq_len']}, grad_accum {t['grad_accum']}, {t['compute_dtype']} compute\n"
-            "result = bytes of the op's result shape on one device; wire = ring-algorithm bytes sent per device "
-            "(AR 2(N-1)/N*S, AG (N-1)/N*S_out, RS (N-1)/N*S_in);\nanalytic = exact minimum for the plan's specs; "
+            f"{t['global_batch']} x {t['seq_len']}, grad_accum {t['grad_accum']}, "
+            f"{t['compute_dtype']} compute\n"
+            "result = bytes of the op's result shape on one device; "
+            "wire = ring-algorithm bytes sent per device "
+            "(AR 2(N-1)/N*S, AG (N-1)/N*S_out, RS (N-1)/N*S_in);\n"
+            "analytic = exact minimum for the plan's specs; "
             "rough = whole-model formula (N = fsdp size, A = grad_accum)")
     rows = []
     for lay in res["layouts"]:
@@ -205,11 +211,14 @@ def format_result(res: dict) -> str:
         for k, v in lay["kinds"].items():
             rows.append([name, k, v["ops"], ",".join(map(str, v["group_sizes"])) or "-",
                          fmt_bytes(v["result_bytes"]), fmt_bytes(v["analytic_result_bytes"]),
-                         f"{v['rough_formula']} = {fmt_bytes(v['rough_result_bytes'])}" if v["rough_formula"] else "-",
-                         fmt_bytes(v["wire_bytes"]), fmt_bytes(v["analytic_wire_bytes"]), fmt_ratio(v["wire_ratio"])])
+                         (f"{v['rough_formula']} = {fmt_bytes(v['rough_result_bytes'])}"
+                          if v["rough_formula"] else "-"),
+                         fmt_bytes(v["wire_bytes"]), fmt_bytes(v["analytic_wire_bytes"]),
+                         fmt_ratio(v["wire_ratio"])])
             name = ""
         tot = lay["total"]
-        rows.append(["", "total", "", "", fmt_bytes(tot["result_bytes"]), fmt_bytes(tot["analytic_result_bytes"]),
+        rows.append(["", "total", "", "", fmt_bytes(tot["result_bytes"]),
+                     fmt_bytes(tot["analytic_result_bytes"]),
                      "", fmt_bytes(tot["wire_bytes"]), fmt_bytes(tot["analytic_wire_bytes"]),
                      fmt_ratio(tot["wire_ratio"])])
     return "\n".join([head, "", table(

@@ -12,10 +12,11 @@ batches and reports the mean loss of the last 10 steps, beside none's.
 PowerSGD also gets the analytic ratio over the model's matrices alone (m*n vs (m+n)*rank per
 matrix; 1-D norm scales are all-reduced in float32 and counted in the HLO figure).
 Local SGD's bytes are amortised: the HLO's collectives (the parameter all-reduce of the sync, in a
-conditional) divided by sync_every. 1-bit Adam's and PowerSGD's bytes are those of their compressed steps (compiled with no warm-up);
-their losses are runs that start with float32 steps: `optimizer.onebit_warmup_steps` (default
-here: a fifth of the steps) of exact Adam, `gradient_compression.warmup_steps` (two fifths) of
-float32 reduction for PowerSGD; "over the run" averages the bytes over all steps of this run.
+conditional) divided by sync_every. 1-bit Adam's and PowerSGD's bytes are those of their compressed
+steps (compiled with no warm-up); their losses are runs that start with float32 steps:
+`optimizer.onebit_warmup_steps` (default here: a fifth of the steps) of exact Adam,
+`gradient_compression.warmup_steps` (two fifths) of float32 reduction for PowerSGD; "over the run"
+averages the bytes over all steps of this run.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from jaxpar.metrics import collective_ops
 from jaxpar.metrics.hlo import group_size
 from jaxpar.train.trainer import Trainer
 
-LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0", "train.steps=100", "train.log_every=1"]
+LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0", "train.steps=100",
+                     "train.log_every=1"]
 
 # label -> overrides; none first (the reference)
 VARIANTS: dict[str, list[str]] = {
@@ -45,8 +47,8 @@ VARIANTS: dict[str, list[str]] = {
     "local sgd H=8": ["local_sgd.sync_every=8"],
     "diloco H=8": ["local_sgd.sync_every=8", "local_sgd.outer=nesterov"],
 }
-TARGETS = {"local sgd H=8": (8.0, None), "bf16": (2.0, 0.02), "int8": (3.5, 0.02), "onebit": (20.0, None), "powersgd r4": (20.0, 0.02),
-           "onebit adam": (None, 0.02)}
+TARGETS = {"local sgd H=8": (8.0, None), "bf16": (2.0, 0.02), "int8": (3.5, 0.02), "onebit": (20.0, None),
+           "powersgd r4": (20.0, 0.02), "onebit adam": (None, 0.02)}
 
 
 def wire_bytes(hlo_text: str, n_devices: int) -> tuple[float, int, dict[str, float]]:
@@ -87,7 +89,8 @@ def measure(cfg: Config, label: str, log, train: bool = True, bytes_cfg: Config 
     if every > 1:  # the parameter all-reduce runs once per `every` steps (a conditional in the HLO)
         wire, result, by = wire / every, result / every, {k: v / every for k, v in by.items()}
     row = {"label": label, "wire_bytes": wire, "result_bytes": result, "by_kind": by,
-           "compile_s": compile_s, "reducer": tb.spec.reducer.describe() if tb.spec.reducer else "float32 psum",
+           "compile_s": compile_s,
+           "reducer": tb.spec.reducer.describe() if tb.spec.reducer else "float32 psum",
            "matrix_ratio": powersgd_matrix_ratio(tb)}
     if train:
         tt = tb if bytes_cfg is None else Trainer(cfg, log=quiet)
@@ -104,7 +107,8 @@ def measure(cfg: Config, label: str, log, train: bool = True, bytes_cfg: Config 
 def variants(cfg: Config) -> dict[str, list[str]]:
     out = dict(VARIANTS)
     # PowerSGD starts after a float32 phase (as PyTorch's PowerSGD hook's start_powerSGD_iter)
-    out["powersgd r4"] = [*out["powersgd r4"], f"gradient_compression.warmup_steps={2 * cfg.train.steps // 5}"]
+    out["powersgd r4"] = [*out["powersgd r4"],
+                          f"gradient_compression.warmup_steps={2 * cfg.train.steps // 5}"]
     try:  # 1-bit Adam, where the optimizer option exists
         if "onebit_warmup_steps" in OptimizerConfig.model_fields:
             out["onebit adam"] = ["optimizer.name=onebit_adam",
@@ -147,19 +151,23 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, methods=None, 
 
 def format_result(res: dict) -> str:
     t = res["train"]
-    head = (f"gradient reduction per step per device, data parallel ({res['mesh']}), batch {t['global_batch']} x "
-            f"{t['seq_len']}, block {res['block_size']}; wire = ring bytes sent per device from the compiled HLO; "
+    head = (f"gradient reduction per step per device, data parallel ({res['mesh']}), "
+            f"batch {t['global_batch']} x {t['seq_len']}, block {res['block_size']}; "
+            "wire = ring bytes sent per device from the compiled HLO; "
             f"loss = mean of the last 10 of {res['steps']} steps")
     rows = []
     for r in res["rows"]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         if r.get("matrix_ratio"):
             ratio += f" ({r['matrix_ratio']:.1f}x matrices)"
-        run = f"{r['run_ratio']:.2f}x ({r['warmup_steps']} fp32 steps)" if r.get("run_ratio") else ratio.split()[0]
+        run = (f"{r['run_ratio']:.2f}x ({r['warmup_steps']} fp32 steps)" if r.get("run_ratio")
+               else ratio.split()[0])
         tr = r.get("target_ratio")
         tl = r.get("target_loss")
-        target = ", ".join(x for x in [f">= {tr:g}x" if tr else "", f"loss within {tl:.0%}" if tl else ""] if x)
-        kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(r["by_kind"].items(), key=lambda kv: -kv[1])
+        target = ", ".join(x for x in [f">= {tr:g}x" if tr else "", f"loss within {tl:.0%}" if tl else ""]
+                           if x)
+        kinds = ", ".join(f"{k} {fmt_bytes(v)}"
+                          for k, v in sorted(r["by_kind"].items(), key=lambda kv: -kv[1])
                           if v >= 0.01 * r["wire_bytes"])
         loss = f"{r['final_loss']:.4f}" if "final_loss" in r else "-"
         dl = f"{r['loss_vs_none']:+.2%}" if "loss_vs_none" in r else "-"

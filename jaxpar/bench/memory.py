@@ -47,7 +47,8 @@ def itemsizes(cfg: Config) -> dict[str, int]:
     t = cfg.train
     size = lambda name: np.dtype(DTYPES[name]).itemsize
     opt = (size(t.master_dtype) if has_masters(t) else 0) + size(cfg.optimizer.mu_dtype) + 4
-    return {"params": size(t.param_dtype), "grads": np.dtype(grad_dtype(t.grad_accum, t.grad_reduce_dtype)).itemsize,
+    return {"params": size(t.param_dtype),
+            "grads": np.dtype(grad_dtype(t.grad_accum, t.grad_reduce_dtype)).itemsize,
             "opt_state": opt}
 
 
@@ -96,7 +97,8 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, stages=STAGES)
             n_d = tr.mesh.shape[ZERO_AXIS]
             unsharded = unsharded_params(tr)
             out = {"mesh": describe(tr.mesh), "mesh_shape": dict(tr.mesh.shape), "n_params": n,
-                   "itemsizes": sizes, "param_itemsize": sizes["params"], "n_d": n_d, "unsharded_params": unsharded,
+                   "itemsizes": sizes, "param_itemsize": sizes["params"], "n_d": n_d,
+                   "unsharded_params": unsharded,
                    **describe_config(cfg)}
         formula = paper_formula(out["n_params"], out["n_d"], stage, out["itemsizes"])
         rows.append({
@@ -133,17 +135,18 @@ def _axes_of(spec) -> set[str]:
 def format_result(res: dict) -> str:
     n, n_d, sz = res["n_params"], res["n_d"], res["itemsizes"]
     head = (f"memory per device: {res['mesh']}, {n:,} params (Psi), N_d = fsdp = {n_d}; "
-            f"bytes/param: params {sz['params']}, grads {sz['grads']}, optimizer state K = {sz['opt_state']}\n"
+            f"bytes/param: params {sz['params']}, grads {sz['grads']}, "
+            f"optimizer state K = {sz['opt_state']}\n"
             f"{res['unsharded_params']:,} params ({res['unsharded_params'] / n:.2%}) have no dim the plan "
             f"shards over fsdp (norm scales) and stay replicated at every stage")
     rows = []
     for r in res["stages"]:
         for q in QUANTITIES:
-            rows.append([f"stage {r['zero_stage']}", q, fmt_bytes(r[q]["measured"]), fmt_bytes(r[q]["formula"]),
-                         fmt_ratio(r[q]["ratio"])])
+            rows.append([f"stage {r['zero_stage']}", q, fmt_bytes(r[q]["measured"]),
+                         fmt_bytes(r[q]["formula"]), fmt_ratio(r[q]["ratio"])])
         tot = r["state_total"]
-        rows.append([f"stage {r['zero_stage']}", "total", fmt_bytes(tot["measured"]), fmt_bytes(tot["formula"]),
-                     fmt_ratio(ratio(tot["measured"], tot["formula"]))])
+        rows.append([f"stage {r['zero_stage']}", "total", fmt_bytes(tot["measured"]),
+                     fmt_bytes(tot["formula"]), fmt_ratio(ratio(tot["measured"], tot["formula"]))])
     crow = [[f"stage {r['zero_stage']}", fmt_bytes(r["compiled"]["argument_bytes"]),
              fmt_bytes(r["compiled"]["output_bytes"]), fmt_bytes(r["compiled"]["alias_bytes"]),
              fmt_bytes(r["compiled"]["temp_bytes"]), fmt_bytes(r["compiled"]["total_bytes"])]

@@ -81,7 +81,8 @@ def format_result(res: dict) -> str:
     return "\n".join([
         f"overhead matrix: median step time of {res['steps']} interleaved steps per cell; baseline: "
         f"hand-written jax.jit (GSPMD) with jaxpar's param shardings", "",
-        table(["compute", "remat", "layout", "jaxpar ms", "jit ms", "ratio", "paired", "cpu ratio"], rows), "",
+        table(["compute", "remat", "layout", "jaxpar ms", "jit ms", "ratio", "paired", "cpu ratio"], rows),
+        "",
         f"median ratio {fmt_ratio(res['median_ratio'])}, worst {fmt_ratio(res['worst_ratio'])} "
         f"({verdict} target <= {res['target']})",
     ])

@@ -2,9 +2,10 @@
 
 The reduction is an all-to-all of 16-bit chunks, a float32 sum of the chunk each device owns and
 an all-gather of the 16-bit sums (so no 16-bit accumulation, and no all-reduce that a backend may
-quietly promote to float32: XLA on CPU does that to bf16 collectives, hence the uint16 bits). fp16 carries one float32
-scale per row (per chunk sent), mapping the row's absmax to 2**15 so no value can overflow
-fp16's 65504. No error feedback: rounding to nearest is unbiased enough at 16 bits.
+quietly promote to float32: XLA on CPU does that to bf16 collectives, hence the uint16 bits).
+fp16 carries one float32 scale per row (per chunk sent), mapping the row's absmax to 2**15 so no
+value can overflow fp16's 65504. No error feedback: rounding to nearest is unbiased enough at
+16 bits.
 """
 from __future__ import annotations
 

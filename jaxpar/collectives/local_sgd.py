@@ -38,7 +38,8 @@ class LocalSGD:
         self.cfg, self.plan = cfg, plan
         self.replicas, self.every = shape.get(AXIS, 1), cfg.sync_every
         if self.replicas < 2:
-            raise ConfigError(f"local_sgd.sync_every={cfg.sync_every} needs data-parallel replicas: mesh.data > 1")
+            raise ConfigError(f"local_sgd.sync_every={cfg.sync_every} needs data-parallel replicas: "
+                              "mesh.data > 1")
         if AXIS not in plan.batch_axes:
             raise ConfigError("local_sgd needs `data` among the batch axes (sharding.rules.batch)")
         if shape.get("pipeline", 1) > 1:
@@ -47,10 +48,12 @@ class LocalSGD:
             raise ConfigError(f"local_sgd syncs parameters, not gradients: drop gradient_compression.method="
                               f"{compression.method!r}")
         if optimizer is not None and getattr(optimizer, "name", "adamw") != "adamw":
-            raise ConfigError(f"local_sgd runs AdamW inside each replica, not optimizer.name={optimizer.name!r}")
+            raise ConfigError("local_sgd runs AdamW inside each replica, "
+                              f"not optimizer.name={optimizer.name!r}")
         is_spec = lambda x: isinstance(x, P)
         if any(AXIS in entry_axes(e) for s in jax.tree.leaves(param_specs, is_leaf=is_spec) for e in s):
-            raise ConfigError("local_sgd: parameters sharded over `data` (sharding.rules) cannot form replicas")
+            raise ConfigError("local_sgd: parameters sharded over `data` (sharding.rules) "
+                              "cannot form replicas")
         self.nesterov = cfg.outer == "nesterov"
 
     # ------------------------------------------------------------------ layout
@@ -112,14 +115,16 @@ class LocalSGD:
             if self.nesterov:
                 delta = jax.tree.map(lambda o, a: o.astype(jnp.float32) - a, outer, avg)
                 mom = jax.tree.map(lambda m, d: cfg.outer_momentum * m + d, mom, delta)
-                new = jax.tree.map(lambda o, d, m: (o - cfg.outer_lr * (d + cfg.outer_momentum * m)).astype(o.dtype),
-                                   outer, delta, mom)
+                new = jax.tree.map(
+                    lambda o, d, m: (o - cfg.outer_lr * (d + cfg.outer_momentum * m)).astype(o.dtype),
+                    outer, delta, mom)
             else:
                 new = jax.tree.map(lambda o, a: a.astype(o.dtype), outer, avg)
             lp = jax.tree.map(lambda p, n: jnp.broadcast_to(n, p.shape).astype(p.dtype), lp, new)
             return lp, new, mom
 
-        lp, outer, mom = jax.lax.cond((state["step"] + 1) % self.every == 0, sync, lambda a: a, (lp, outer, mom))
+        lp, outer, mom = jax.lax.cond((state["step"] + 1) % self.every == 0, sync, lambda a: a,
+                                      (lp, outer, mom))
         local = {"params": lp}
         if self.nesterov:
             local["momentum"] = mom

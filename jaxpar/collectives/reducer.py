@@ -172,7 +172,8 @@ class GradientReducer:
                 continue
             if isinstance(self.comp, PowerSGD):
                 out[b.key] = {self.paths[i]: {"q": (bb, n, self.comp.rank),
-                                              **({"residual": (bb, m, n)} if self.comp.error_feedback else {})}
+                                              **({"residual": (bb, m, n)}
+                                                 if self.comp.error_feedback else {})}
                               for i, (bb, m, n) in b.matrices.items()}
             elif self.comp.error_feedback:
                 length = b.padded // math.prod(g.size for g in b.outer)

@@ -118,7 +118,8 @@ class _Collector:
                 yield gauge(name, doc, rec[key])
         ck = dict(_checkpoint)
         if ck["last_s"] is not None:
-            yield gauge("jaxpar_checkpoint_save_seconds", "Wall time of the last checkpoint save", ck["last_s"])
+            yield gauge("jaxpar_checkpoint_save_seconds", "Wall time of the last checkpoint save",
+                        ck["last_s"])
         c = CounterMetricFamily("jaxpar_checkpoint_saves", "Checkpoint saves recorded", labels=names)
         c.add_metric(values, ck["count"])
         yield c
@@ -145,7 +146,8 @@ class _Collector:
         if mem:
             fams = {
                 "bytes_in_use": GaugeMetricFamily("jaxpar_device_memory_in_use_bytes",
-                                                  "Device memory in use", labels=names + ["device", "source"]),
+                                                  "Device memory in use",
+                                                  labels=names + ["device", "source"]),
                 "peak_bytes": GaugeMetricFamily("jaxpar_device_memory_peak_bytes",
                                                 "Peak device memory", labels=names + ["device", "source"]),
                 "bytes_limit": GaugeMetricFamily("jaxpar_device_memory_limit_bytes",

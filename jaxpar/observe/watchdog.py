@@ -146,7 +146,8 @@ class Watchdog(Callback):
         rec = {"kind": kind, "step": step, "elapsed_s": elapsed, "message": message, "stacks": stacks,
                "process": jax.process_index(), "time": time.time()}
         self.reports.append(rec)
-        text = f"watchdog ({kind}, process {rec['process']}): {message}\nPython stacks of all threads:\n{stacks}"
+        text = (f"watchdog ({kind}, process {rec['process']}): {message}\n"
+                f"Python stacks of all threads:\n{stacks}")
         logger.warning(text)
         self._append(time.strftime("%Y-%m-%d %H:%M:%S ") + text + "\n")
 

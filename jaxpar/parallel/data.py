@@ -111,7 +111,8 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype, grad_dtype
             axes = tuple(axes[1:]) if stacked else tuple(axes)
             dims = sharded_dims(plan.spec(axes, None, "param"), gather_axes)
         if dims:  # the gather casts its shard itself (bf16 on the wire; grads back in grad_dtype)
-            return var if cast_only else var.replace(checkpoint_name(gather_in(x, dims, dtype, grad_dtype), GATHERED))
+            return (var if cast_only
+                    else var.replace(checkpoint_name(gather_in(x, dims, dtype, grad_dtype), GATHERED)))
         return var.replace(x.astype(dtype)) if x.dtype != dtype else var
 
     def prepare(state, stacked: bool, cast_only: bool = False):

@@ -13,7 +13,8 @@ class Callback:
         """Before the first step (`step` is where the loop starts)."""
 
     def on_step_end(self, trainer: Any, step: int, state: Any, metrics: Any) -> None:
-        """After each step (`step`: steps completed); `metrics` are device arrays (reading them syncs the device)."""
+        """After each step (`step`: steps completed); `metrics` are device arrays (reading them
+        syncs the device)."""
 
     def on_log(self, trainer: Any, record: dict) -> None:
         """For each logged record (floats: step, loss, tokens_per_s, ...)."""

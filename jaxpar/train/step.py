@@ -218,8 +218,10 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     extra_specs = spec.reducer.extra_specs(grad_out) if spec.reducer is not None else {}
     sharded_grads = jax.shard_map(
         replicas.wrap(local_grads) if replicas else local_grads, mesh=plan.mesh,
-        in_specs=(replicas.replica_specs(param_in) if replicas else param_in, busy_part(plan.batch_spec()), comm_specs, extra_specs),
-        out_specs=((P(), P()), replicas.replica_specs(final_out) if replicas else final_out, comm_specs), axis_names=set(manual), check_vma=True,
+        in_specs=(replicas.replica_specs(param_in) if replicas else param_in,
+                  busy_part(plan.batch_spec()), comm_specs, extra_specs),
+        out_specs=((P(), P()), replicas.replica_specs(final_out) if replicas else final_out, comm_specs),
+        axis_names=set(manual), check_vma=True,
     )
     grad_shardings = jax.tree.map(plan.sharding, final_specs, is_leaf=is_spec)
     if replicas:
@@ -239,7 +241,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
 
     def step(state, tokens):
         extra = spec.reducer.extra_inputs(state) if spec.reducer is not None else {}
-        (loss, aux), grads, comm = sharded_grads(replicas.params_in(state) if replicas else state["params"], tokens, state.get("comm", {}), extra)
+        params = replicas.params_in(state) if replicas else state["params"]
+        (loss, aux), grads, comm = sharded_grads(params, tokens, state.get("comm", {}), extra)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         grad_norm = replicas.grad_norm(grads) if replicas else (
             optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads))

@@ -119,8 +119,9 @@ class Trainer:
         """The jitted train step of this config; `overrides` go to make_train_step (tests and
         debugging: return_grads=True, a loss_sum_fn)."""
         cfg = self.cfg
-        kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline, compute_dtype=cfg.train.compute_dtype,
-                  remat=cfg.train.remat, lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite,
+        kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline,
+                  compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat,
+                  lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite,
                   grad_reduce_dtype=cfg.train.grad_reduce_dtype)
         return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
 
@@ -321,10 +322,12 @@ class Trainer:
                         cb.on_step_end(self, step, state, metrics)
                     if step % t.log_every == 0 or step == t.steps or step == 1:
                         consume()
-                        metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "nonfinite"}
+                        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()
+                                   if k != "nonfinite"}
                         now = time.perf_counter()
                         dt, last, last_step = (now - last) / (step - last_step), now, step
-                        rec = {"step": step, **metrics, "tokens_per_s": tokens_per_step / dt, "step_time_s": dt}
+                        rec = {"step": step, **metrics, "tokens_per_s": tokens_per_step / dt,
+                               "step_time_s": dt}
                         if t.skip_nonfinite:
                             rec["skipped_steps"] = self.skipped_steps
                         u = mfu(rec["tokens_per_s"] / self.mesh.devices.size, self.flops_per_token, self.peak)
@@ -370,7 +373,8 @@ class Trainer:
                      f"{ckpt.root / str(done) if ckpt else '(checkpoints off)'}; metrics flushed")
         return state, history
 
-    def _on_nonfinite_streak(self, ckpt, state, last_bad: int, streak: int, rollbacks: int) -> tuple[dict, int]:
+    def _on_nonfinite_streak(self, ckpt, state, last_bad: int, streak: int,
+                             rollbacks: int) -> tuple[dict, int]:
         """train.max_nonfinite bad steps in a row (the last one: step `last_bad`): stop, or with
         nonfinite_rollback restore the last checkpoint from before the streak and never train on
         the batch that started it."""
@@ -381,7 +385,8 @@ class Trainer:
                f"norm inf/nan; updates were skipped)")
         if not t.nonfinite_rollback or ckpt is None or rollbacks >= t.max_nonfinite:
             why = "" if t.nonfinite_rollback and ckpt is not None else (
-                "; set train.nonfinite_rollback=true to roll back to the last checkpoint and skip the batch, ")
+                "; set train.nonfinite_rollback=true to roll back to the last checkpoint "
+                "and skip the batch, ")
             raise TrainingStopped(f"stopping: {msg}{why or '; '}lower optimizer.lr or check the data "
                                   f"(data step {self.data_step(first_bad)})")
         ckpt.wait()

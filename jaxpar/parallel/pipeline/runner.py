@@ -166,8 +166,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
 
         x_sds = jax.eval_shape(lambda: pre(top, chunk(0), mbs[0]))
         zeros_x = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), manual), x_sds)
-        sown_sds = jax.eval_shape(lambda: post(top, chunk(0), body(top, chunk(0), zeros_x, mbs[0]), mbs[0]))[1][1]
-        tree_at = lambda buf, i: jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, keepdims=False), buf)
+        sown_sds = jax.eval_shape(
+            lambda: post(top, chunk(0), body(top, chunk(0), zeros_x, mbs[0]), mbs[0]))[1][1]
+        tree_at = lambda buf, i: jax.tree.map(
+            lambda b: jax.lax.dynamic_index_in_dim(b, i, keepdims=False), buf)
 
         # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, tok, k) -> (..., y, dx)
         def idle(at, al, loss, x, g, tok, k):
