@@ -176,6 +176,20 @@ def test_import_config_does_not_import_jax():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+def test_importing_jaxpar_starts_no_jax_backend():
+    """Every module imports without starting a JAX backend: jax.distributed must start before
+    any JAX call, and a script imports jaxpar before it calls jaxpar.distributed.initialize
+    (a module-level jnp array would start one)."""
+    mods = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                  for d in ("jaxpar", "models") for p in (ROOT / d).rglob("*.py"))
+    code = ("import importlib, sys\nfrom jax._src import xla_bridge as xb\n"
+            f"for m in {mods!r}:\n    importlib.import_module(m)\n"
+            "    assert not xb._backends, f'importing {m} started a JAX backend'")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_no_line_over_110_characters_in_jaxpar():
     found = [f"{path.relative_to(ROOT)}:{i}: {len(line)} characters"
              for path in sorted((ROOT / "jaxpar").rglob("*.py"))

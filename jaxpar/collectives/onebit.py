@@ -8,11 +8,12 @@ ways; error feedback on both stages is what makes 1-bit converge.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.collectives.base import Compressor, blocks, ef_state_shapes
 from jaxpar.config import ConfigError
 
-SHIFTS = jnp.arange(8, dtype=jnp.uint8)
+SHIFTS = np.arange(8, dtype=np.uint8)  # numpy: a jnp array here would start a JAX backend at import
 
 
 def pack_bits(bits):
