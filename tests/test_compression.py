@@ -14,6 +14,8 @@ from jaxpar.metrics import collective_ops
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.xdist_group("compression")  # its module fixtures are built once, on one worker
+
 N = 8
 rng = np.random.default_rng(0)
 

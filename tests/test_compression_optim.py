@@ -8,6 +8,8 @@ from jaxpar.metrics import collective_ops
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.xdist_group("compression_optim")  # its module fixtures are built once, on one worker
+
 DP = ["mesh.data=8", "sharding.zero_stage=0", "train.steps=5", "optimizer.lr=3e-3"]
 
 
@@ -71,7 +73,8 @@ def test_local_sgd_sync_averages_independent_replica_runs(local_sgd, devices):
     mean = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *finals)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(synced["params"])),
                             jax.tree.leaves(mean)):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        # atol: two Adam steps of lr 3e-3 turn float32 noise in near-zero gradients into ~1e-6
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
 def test_local_sgd_moves_no_gradients(local_sgd):

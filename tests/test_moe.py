@@ -17,6 +17,8 @@ from jaxpar.train.trainer import Trainer
 from models.moe import MoE, MoELlama, active_param_count, load_balance_loss, param_count
 from tests.conftest import tiny_config
 
+pytestmark = pytest.mark.xdist_group("moe")  # its module fixtures are built once, on one worker
+
 E, K, D, F, B, S = 8, 2, 16, 32, 8, 8
 
 

@@ -197,8 +197,8 @@ def _main(spec: dict) -> int:
     rank = int(os.environ.get("JAXPAR_PROCESS_ID", "0"))
     kill = spec.get("kill") or {}
     markers = {int(k): Path(v) for k, v in kill.get("steps", {}).items()}  # kill once at each step
-    from jaxpar import observe
     from jaxpar.cli import main
+    from jaxpar.train import trainer as trainer_module
     from jaxpar.data import loader
     from jaxpar.train.callbacks import Callback
 
@@ -233,8 +233,8 @@ def _main(spec: dict) -> int:
         read_text = Path.read_text
         Path.read_text = lambda p, *a, **kw: (read_text(p, *a, **kw)[:20] if str(p) == view["file"]
                                               else read_text(p, *a, **kw))
-    build = observe.build_callbacks
-    observe.build_callbacks = lambda *a, **kw: build(*a, **kw) + [Kill()]
+    build = trainer_module.build_callbacks  # what the trainer calls (imported from jaxpar.observe)
+    trainer_module.build_callbacks = lambda *a, **kw: build(*a, **kw) + [Kill()]
     rc = main(spec["argv"])
     print(f"data steps read: {json.dumps(sorted(rows))}", flush=True)
     per_step = {tuple(sorted(r)) for r in rows.values()}
