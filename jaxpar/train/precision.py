@@ -68,20 +68,26 @@ def check_precision(cfg: Config) -> None:
             "are the optimizer's higher-precision copy of the params; use master_dtype float32 (the "
             "default; with float32 params there is no extra copy)")
     if has_masters(t):
-        other = ("optimizer.name='onebit_adam'" if cfg.optimizer.name == "onebit_adam" else
-                 f"local_sgd.sync_every={cfg.local_sgd.sync_every}" if cfg.local_sgd.sync_every > 1 else None)
+        other = _steps_itself(cfg)
         if other:
             raise ConfigError(
                 f"train.master_dtype='{t.master_dtype}' with train.param_dtype='{t.param_dtype}' (float32 "
                 f"master weights) is not supported with {other} yet: it steps the params itself; use "
                 f"train.param_dtype=float32, or train.master_dtype=bfloat16 (pure bf16, no masters)")
     if t.grad_reduce_dtype == "bfloat16":
-        other = (f"gradient_compression.method='{cfg.gradient_compression.method}'"
-                 if cfg.gradient_compression.method != "none" else
-                 "optimizer.name='onebit_adam'" if cfg.optimizer.name == "onebit_adam" else
-                 f"local_sgd.sync_every={cfg.local_sgd.sync_every}" if cfg.local_sgd.sync_every > 1 else None)
+        method = cfg.gradient_compression.method
+        other = f"gradient_compression.method='{method}'" if method != "none" else _steps_itself(cfg)
         if other:
             raise ConfigError(
                 f"train.grad_reduce_dtype='bfloat16' is a plain bf16 gradient reduction, and {other} "
                 f"sets the reduction's wire format itself (gradient_compression.method=bf16 is 16-bit "
                 f"chunks summed in float32); use one of the two")
+
+
+def _steps_itself(cfg: Config) -> str | None:
+    """The setting (as `field=value`) whose optimizer or sync steps the params itself, if any."""
+    if cfg.optimizer.name == "onebit_adam":
+        return "optimizer.name='onebit_adam'"
+    if cfg.local_sgd.sync_every > 1:
+        return f"local_sgd.sync_every={cfg.local_sgd.sync_every}"
+    return None
