@@ -32,6 +32,8 @@ LAYOUTS = {  # name: (reference, overrides)
     "onebit-adam-warmup": (DENSE, ["mesh.data=8", "optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=2"]),
     **{f"data8-{m}-warmup": (DENSE, ["mesh.data=8", f"gradient_compression.method={m}", WARM])
        for m in ("int8", "powersgd")},  # the warm-up branch is shared; int8: residuals, powersgd: Q
+    "dp2-fsdp4-zero1-int8-warmup": (DENSE, ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=1",
+                                            "gradient_compression.method=int8", WARM]),  # reduce-scattered
     "moe-dp2-ep4": (MOE, ["mesh.data=2", "mesh.expert=4"]),
     "moe-fsdp2-ep2-tp2-zero3": (MOE, ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "sharding.zero_stage=3"]),
 }

@@ -7,7 +7,7 @@ import pytest
 
 from jaxpar.config import ConfigError, make_config
 from jaxpar.train.optimizer import decay_mask, schedule, schedule_count
-from jaxpar.train.step import cross_entropy_sum
+from jaxpar.train.loss import cross_entropy_sum
 from tests.conftest import tiny_config
 from tests.grad_util import global_norm, grad_trainer, place_batch, run_steps, to_numpy
 

@@ -7,6 +7,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.collectives.base import Group, unchecked
+from jaxpar.collectives.reducer import GradientReducer
+from jaxpar.parallel.data import AllReduce
 from jaxpar.sharding import varying_axes
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
@@ -31,11 +33,11 @@ def lower(overrides, devices):
 def test_missing_reduction_fails_at_trace_time(name, devices, monkeypatch):
     lower(LAYOUTS[name], devices)  # the step as it is traces
 
-    def local_only(grads, grad_specs, manual, sizes, reducer=None, comm=None, extra=None, out_specs=None,
-                   dtype=None):
-        return grads, (comm if reducer is not None else {})  # each device's own gradient
+    def local_only(self, grads, comm, extra=None):
+        return grads, comm  # each device's own gradient
 
-    monkeypatch.setattr("jaxpar.train.step.reduce_data_parallel", local_only)
+    for sync in (AllReduce, GradientReducer):
+        monkeypatch.setattr(sync, "reduce", local_only)
     with pytest.raises(ValueError, match="out_specs which require replication"):
         lower(LAYOUTS[name], devices)
 

@@ -7,7 +7,8 @@ import pytest
 
 from jaxpar.metrics import collective_bytes
 from jaxpar.sharding import per_device_bytes
-from jaxpar.train.step import grad_dtype
+from jaxpar.train.accumulate import grad_dtype
+from jaxpar.train.precision import DTYPES
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 
@@ -23,7 +24,7 @@ def bytes_per_device(stage, devices, *overrides):
     t = Trainer(cfg, devices=devices)
     state = t.abstract_state()
     sh = t.spec.state_shardings
-    gdt = grad_dtype(cfg.train.grad_accum, cfg.train.grad_reduce_dtype)  # what the step holds
+    gdt = grad_dtype(cfg.train.grad_accum, DTYPES[cfg.train.grad_reduce_dtype])  # what the step holds
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, gdt), t.model.shapes)
     grads = placed(shapes, jax.tree.map(t.plan.sharding, t.spec.grad_specs,
                                         is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))

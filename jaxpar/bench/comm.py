@@ -48,7 +48,7 @@ from jaxpar.mesh import describe
 from jaxpar.metrics import COLLECTIVE_KINDS, collective_ops
 from jaxpar.metrics.hlo import group_size
 from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes
-from jaxpar.train.step import DTYPES
+from jaxpar.train.precision import DTYPES
 from jaxpar.train.trainer import Trainer
 
 LAYOUT: list[str] = mesh_overrides(fsdp=-1)

@@ -27,7 +27,6 @@ import numpy as np
 
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
 from jaxpar.config import Config, OptimizerConfig
-from jaxpar.mesh import describe
 from jaxpar.metrics import collective_ops
 from jaxpar.metrics.hlo import group_size
 from jaxpar.train.trainer import Trainer
@@ -69,8 +68,8 @@ def wire_bytes(hlo_text: str, n_devices: int) -> tuple[float, int, dict[str, flo
 
 
 def powersgd_matrix_ratio(trainer) -> float | None:
-    red = trainer.spec.reducer
-    if red is None or not hasattr(getattr(red, "comp", None), "rank"):
+    red = trainer.spec.sync
+    if not hasattr(getattr(red, "comp", None), "rank"):
         return None
     full = sum(b * m * n for bk in red.buckets for (b, m, n) in bk.matrices.values())
     low = sum(b * (m + n) * red.comp.rank for bk in red.buckets for (b, m, n) in bk.matrices.values())
@@ -90,7 +89,7 @@ def measure(cfg: Config, label: str, log, train: bool = True, bytes_cfg: Config 
         wire, result, by = wire / every, result / every, {k: v / every for k, v in by.items()}
     row = {"label": label, "wire_bytes": wire, "result_bytes": result, "by_kind": by,
            "compile_s": compile_s,
-           "reducer": tb.spec.reducer.describe() if tb.spec.reducer else "float32 psum",
+           "reducer": tb.spec.sync.describe(),
            "matrix_ratio": powersgd_matrix_ratio(tb)}
     if train:
         tt = tb if bytes_cfg is None else Trainer(cfg, log=quiet)

@@ -34,7 +34,8 @@ from jaxpar.mesh import describe
 from jaxpar.metrics import compiled_memory
 from jaxpar.sharding import ZERO_AXIS, per_device_bytes
 from jaxpar.train.precision import has_masters
-from jaxpar.train.step import DTYPES, grad_dtype
+from jaxpar.train.accumulate import grad_dtype
+from jaxpar.train.precision import DTYPES
 from jaxpar.train.trainer import Trainer
 
 LAYOUT: list[str] = mesh_overrides(fsdp=-1)
@@ -48,7 +49,7 @@ def itemsizes(cfg: Config) -> dict[str, int]:
     size = lambda name: np.dtype(DTYPES[name]).itemsize
     opt = (size(t.master_dtype) if has_masters(t) else 0) + size(cfg.optimizer.mu_dtype) + 4
     return {"params": size(t.param_dtype),
-            "grads": np.dtype(grad_dtype(t.grad_accum, t.grad_reduce_dtype)).itemsize,
+            "grads": np.dtype(grad_dtype(t.grad_accum, DTYPES[t.grad_reduce_dtype])).itemsize,
             "opt_state": opt}
 
 
@@ -69,7 +70,7 @@ def measure_stage(cfg: Config, stage: int) -> dict:
     state = trainer.abstract_state()
     grad_sh = jax.tree.map(trainer.plan.sharding, trainer.spec.grad_specs,
                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    gdt = grad_dtype(cfg.train.grad_accum, cfg.train.grad_reduce_dtype)
+    gdt = grad_dtype(cfg.train.grad_accum, DTYPES[cfg.train.grad_reduce_dtype])
     grads = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, gdt), state["params"])
     t0 = time.perf_counter()
     mem = compiled_memory(trainer.compile())

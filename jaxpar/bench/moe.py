@@ -30,7 +30,7 @@ from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import describe
 from jaxpar.metrics import collective_ops
 from jaxpar.parallel.expert import capacity
-from jaxpar.train.step import DTYPES
+from jaxpar.train.precision import DTYPES
 from jaxpar.train.trainer import Trainer
 
 LAYOUT: list[str] = [*mesh_overrides(expert=-1), "model.preset=moe_small", "data.source=synthetic",
@@ -99,7 +99,7 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, modes=MODES) -
         raise ConfigError("jaxpar bench moe needs a MoE model: model.moe.num_experts > 0 "
                           "(e.g. model.preset=moe_small)")
     rows = {mode: measure(cfg, mode, log) for mode in modes}
-    m, moe = cfg.model, cfg.model.moe
+    moe = cfg.model.moe
     return {"config": {**describe_config(cfg),
                        "moe": {"num_experts": moe.num_experts, "top_k": moe.top_k, "every_n": moe.every_n,
                                "capacity_factor": moe.capacity_factor}},

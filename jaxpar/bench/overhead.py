@@ -35,12 +35,12 @@ from jaxpar.bench.common import describe_config, fmt_ratio, mesh_overrides, tabl
 from jaxpar.config import Config
 from jaxpar.mesh import describe
 from jaxpar.metrics.hlo import naive_dots
+from jaxpar.train.precision import DTYPES
 from jaxpar.train.trainer import Trainer
 from models.llama import Llama
 
 LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0"]
 TARGET = 1.05
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def build_baseline(cfg: Config, mesh, batch_sharding: NamedSharding, param_shardings=None,

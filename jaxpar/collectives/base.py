@@ -72,6 +72,8 @@ class Group:
         return self.index_groups is None
 
     def all_gather(self, x):
+        if not self.axes:  # a group of one: nothing to gather
+            return x
         if self.checkable:  # every member receives the same array: typed as replicated over it
             return jax.lax.all_gather(x, self.name, axis=0, tiled=True, to="invarying")
         return jax.lax.all_gather(x, self.name, axis=0, axis_index_groups=self._groups, tiled=True)
@@ -105,6 +107,8 @@ class Compressor:
     error_feedback = False
     #: the bucket's column count (per row) must be a multiple of this
     multiple = 1
+    #: reduce() honours `gather` (a reduce-scatter: each member keeps its own chunks of the sum)
+    scatters = True
 
     def __init__(self, cfg: Any = None):
         self.cfg = cfg
@@ -120,9 +124,12 @@ class Compressor:
         """Per-device residual shapes for a bucket of `length` elements reduced over n devices."""
         return {}
 
-    def reduce(self, x: jax.Array, state: dict, group: Group) -> tuple[jax.Array, dict]:
-        """Sum of x over group (x: [L] with L a multiple of group.size * multiple)."""
-        return two_stage_reduce(self, x, state, group)
+    def reduce(self, x: jax.Array, state: dict, group: Group,
+               gather: Group | None = None) -> tuple[jax.Array, dict]:
+        """Sum of x over group (x: [L] with L a multiple of group.size * multiple). With `gather`
+        (a part of group's axes; `scatters` compressors only), the chunks of the sum that the
+        members of this device's `gather` group own, in their order (ZeRO-1)."""
+        return two_stage_reduce(self, x, state, group, gather)
 
     def wire_bytes_per_element(self) -> float:
         """Bytes of payload per gradient element (one compression), for docs and checks."""
@@ -131,9 +138,10 @@ class Compressor:
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(p)) / x.size
 
 
-def two_stage_reduce(comp: Compressor, x: jax.Array, state: dict, group: Group):
+def two_stage_reduce(comp: Compressor, x: jax.Array, state: dict, group: Group, gather: Group | None = None):
     """Compressed all-to-all (the reduce-scatter), local sum of this device's chunk, recompressed
-    all-gather. With comp.error_feedback, residuals `worker` ([L]) and `server` ([L / n])."""
+    all-gather (over `gather` when given). With comp.error_feedback, residuals `worker` ([L]) and
+    `server` ([L / n])."""
     n = group.size
     ef = comp.error_feedback
     v = x + state["worker"] if ef else x
@@ -149,7 +157,7 @@ def two_stage_reduce(comp: Compressor, x: jax.Array, state: dict, group: Group):
     payload2 = comp.compress(chunk)
     if ef:
         new["server"] = (chunk - comp.decompress(payload2))[0]
-    gathered = jax.tree.map(group.all_gather, payload2)      # [n, ...]: every member's chunk
+    gathered = jax.tree.map((gather or group).all_gather, payload2)  # [n, ...]: every member's chunk
     return comp.decompress(gathered).reshape(-1), new
 
 

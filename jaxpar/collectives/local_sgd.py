@@ -16,7 +16,8 @@ Inside the step's shard_map, gradients are summed over the batch axes except `da
 expert still reduce within a replica): each replica's gradient is the mean over its own share of
 the batch (what one device would compute on those rows); clipping is per replica and the logged
 grad_norm is the root mean square of the replicas' norms. Needs mesh.data > 1, parameters
-not sharded over `data`, no gradient compression, AdamW, no pipeline.
+not sharded over `data`, no gradient compression, AdamW, no pipeline. `LocalSGD` is the gradient
+sync (jaxpar/parallel/sync.py) of such a run.
 """
 from __future__ import annotations
 
@@ -26,16 +27,19 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError
+from jaxpar.parallel.data import scatter_microbatch_grads, sharded_dims
+from jaxpar.parallel.sync import GradientSync, is_spec
 from jaxpar.sharding import entry_axes
-from jaxpar.parallel.data import reduce_final_grads, sharded_dims
 
 AXIS = "data"
 
 
-class LocalSGD:
-    def __init__(self, cfg, plan, param_specs, compression=None, optimizer=None):
+class LocalSGD(GradientSync):
+    name = "local SGD: gradients reduced within a replica only"
+
+    def __init__(self, cfg, plan, param_specs, grad_specs, compression=None, optimizer=None, wire_dtype=None):
         shape = plan.mesh.shape
-        self.cfg, self.plan = cfg, plan
+        self.cfg = cfg
         self.replicas, self.every = shape.get(AXIS, 1), cfg.sync_every
         if self.replicas < 2:
             raise ConfigError(f"local_sgd.sync_every={cfg.sync_every} needs data-parallel replicas: "
@@ -50,10 +54,10 @@ class LocalSGD:
         if optimizer is not None and getattr(optimizer, "name", "adamw") != "adamw":
             raise ConfigError("local_sgd runs AdamW inside each replica, "
                               f"not optimizer.name={optimizer.name!r}")
-        is_spec = lambda x: isinstance(x, P)
         if any(AXIS in entry_axes(e) for s in jax.tree.leaves(param_specs, is_leaf=is_spec) for e in s):
             raise ConfigError("local_sgd: parameters sharded over `data` (sharding.rules) "
                               "cannot form replicas")
+        super().__init__(plan, grad_specs, wire_dtype=wire_dtype)
         self.nesterov = cfg.outer == "nesterov"
 
     # ------------------------------------------------------------------ layout
@@ -61,28 +65,36 @@ class LocalSGD:
         return P(AXIS, *spec)
 
     def replica_specs(self, specs):
-        return jax.tree.map(self.replica_spec, specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(self.replica_spec, specs, is_leaf=is_spec)
 
     def replica_shardings(self, shardings):
         return jax.tree.map(lambda s: NamedSharding(s.mesh, self.replica_spec(s.spec)), shardings,
                             is_leaf=lambda x: isinstance(x, NamedSharding))
 
-    def update_shardings(self, state_shardings: dict) -> None:
-        state_shardings["opt_state"] = self.replica_shardings(state_shardings["opt_state"])
-        local = {"params": self.replica_shardings(state_shardings["params"])}
+    def state_shardings(self, shardings: dict) -> dict:
+        local = {"params": self.replica_shardings(shardings["params"])}
         if self.nesterov:
-            local["momentum"] = state_shardings["params"]
-        state_shardings["local"] = local
+            local["momentum"] = shardings["params"]
+        return {**shardings, "opt_state": self.replica_shardings(shardings["opt_state"]), "local": local}
 
-    def init(self, params, tx) -> dict:
-        """(inner opt state, state["local"]) for fresh `params`."""
+    def init_state(self, state: dict, tx) -> dict:
+        """Every replica starts from the params, with its own inner optimizer state."""
+        params = state["params"]
         lp = jax.tree.map(lambda p: jnp.broadcast_to(p, (self.replicas, *p.shape)), params)
         local = {"params": lp}
         if self.nesterov:
             local["momentum"] = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return jax.vmap(tx.init)(lp), local
+        return {**state, "opt_state": jax.vmap(tx.init)(lp), "local": local}
 
-    # ------------------------------------------------------------------ the step
+    def params_in(self, state):
+        return state["local"]["params"]
+
+    param_in_specs = replica_specs
+    grads_out_specs = replica_specs
+
+    def grad_shardings(self):
+        return self.replica_shardings(super().grad_shardings())
+
     def wrap(self, local_grads):
         """The shard_map body on replica-stacked params: squeeze this replica's row, add it back."""
         def body(params, tokens, comm, extra):
@@ -91,16 +103,28 @@ class LocalSGD:
             return loss, jax.tree.map(lambda g: g[None], grads), comm
         return body
 
+    # ------------------------------------------------------------------ the step
+    def microbatch(self, grads, specs):
+        return scatter_microbatch_grads(grads, specs, self.plan, self.manual, self.wire_dtype)
+
+    def reduce(self, grads, comm, extra):
+        """Summed over every batch axis but `data`: each replica's own gradient."""
+        within = self.manual - {AXIS}
+        sizes = self.plan.mesh.shape
+
+        def reduce(g, spec):
+            done = {a for _, names in sharded_dims(spec, self.manual) for a in names}
+            rest = tuple(sorted(a for a in within if a not in done and sizes[a] > 1))
+            return jax.lax.psum(g, rest) if rest else g
+        return jax.tree.map(reduce, grads, self.grad_specs, is_leaf=is_spec), comm
+
     def grad_norm(self, grads) -> jax.Array:
         """The root mean square of the replicas' gradient norms (each replica clips its own)."""
         sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
                  for g in jax.tree.leaves(grads))
         return jnp.sqrt(jnp.mean(sq))
 
-    def params_in(self, state):
-        return state["local"]["params"]
-
-    def update(self, tx, grads, state):
+    def apply(self, tx, grads, comm, state):
         """Each replica's optimizer step; every `sync_every` steps the outer step and a restart."""
         lp = state["local"]["params"]
         updates, opt_state = jax.vmap(tx.update)(grads, state["opt_state"], lp)
@@ -128,32 +152,5 @@ class LocalSGD:
         local = {"params": lp}
         if self.nesterov:
             local["momentum"] = mom
-        return outer, opt_state, local
-
-
-class LocalReducer:
-    """The per-step gradient reduction under local SGD: every batch axis except `data`."""
-
-    def __init__(self, plan, grad_specs):
-        self._reduce = reduce_final_grads
-        self.manual = frozenset(a for a in plan.batch_axes if a != AXIS)
-        self.sizes = plan.mesh.shape
-        self._specs = grad_specs
-
-    def extra_inputs(self, state):
-        return {}
-
-    def extra_specs(self, grad_out):
-        return {}
-
-    def describe(self) -> str:
-        return "local SGD: gradients reduced within a replica only"
-
-    def reduce(self, grads, comm, extra=None):
-        out = []
-        leaves, treedef = jax.tree.flatten(grads)
-        for g, spec in zip(leaves, jax.tree.leaves(self._specs, is_leaf=lambda x: isinstance(x, P))):
-            done = {a for _, names in sharded_dims(spec, self.manual | {AXIS}) for a in names}
-            rest = tuple(sorted(a for a in self.manual if a not in done and self.sizes[a] > 1))
-            out.append(jax.lax.psum(g, rest) if rest else g)
-        return jax.tree.unflatten(treedef, out), comm
+        kept = {k: v for k, v in state.items() if k != "step"}
+        return {**kept, "params": outer, "opt_state": opt_state, "local": local}

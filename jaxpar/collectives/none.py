@@ -1,8 +1,6 @@
 """method: none -- float32, the default reduction (a psum per gradient, unchanged)."""
 from __future__ import annotations
 
-import jax
-
 from jaxpar.collectives.base import Compressor, Group
 
 
@@ -15,5 +13,7 @@ class NoCompression(Compressor):
     def decompress(self, payload):
         return payload["x"]
 
-    def reduce(self, x, state, group: Group):
+    scatters = False
+
+    def reduce(self, x, state, group: Group, gather=None):
         return group.psum(x), {}

@@ -85,7 +85,7 @@ def onebit_adam(cfg, total_steps: int, axes_tree) -> optax.GradientTransformatio
 class OneBitAdamReducer(GradientReducer):
     """The gradient reduction of 1-bit Adam (see module doc); residuals in state["comm"]."""
 
-    def __init__(self, opt_cfg, compression, plan, model, grad_specs):
+    def __init__(self, opt_cfg, compression, plan, model, grad_specs, wire_dtype=None):
         shape = plan.mesh.shape
         if plan.zero_stage >= 2 or (plan.zero_stage == 1 and shape.get("fsdp", 1) > 1):
             raise ConfigError(
@@ -97,15 +97,15 @@ class OneBitAdamReducer(GradientReducer):
                 f"optimizer.name=onebit_adam compresses the momentum itself (1-bit); drop "
                 f"gradient_compression.method={compression.method!r}")
         comp = OneBit(block_size=compression.block_size)
-        super().__init__(compression, plan, model, grad_specs, compressor=comp)
+        super().__init__(compression, plan, model, grad_specs, compressor=comp, wire_dtype=wire_dtype)
         self.warmup, self.b1 = opt_cfg.onebit_warmup_steps, opt_cfg.b1
 
     def extra_inputs(self, state) -> dict:
         opt = state["opt_state"]
         return {"mu": opt.mu, "count": opt.count}
 
-    def extra_specs(self, grad_out) -> dict:
-        return {"mu": grad_out, "count": P()}
+    def extra_specs(self) -> dict:
+        return {"mu": self.grad_out, "count": P()}
 
     def reduce(self, grads, comm, extra=None):
         leaves = self.treedef.flatten_up_to(grads)

@@ -11,7 +11,10 @@ The reducer groups the gradients by their rest axes into flat float32 buckets an
 
     bucket --psum_scatter over U--> 1/|U| of it --compressed sum over X--> --all_gather over U-->
 
-so the slow link carries compressed bytes and the fast link float32. Error-feedback residuals
+so the slow link carries compressed bytes and the fast link float32. At ZeRO-1 the optimizer
+needs only its fsdp shard of each gradient: such leaves go to "scattered" buckets laid out so that
+each device's fsdp shard is what the reduction leaves on it when the last all-gather skips fsdp
+(reduce-scatter bytes, as without compression; see `_scattered_layout`). Error-feedback residuals
 live in the train state as state["comm"][bucket][name], one row per batch device (leading axis
 over the batch axes, sharded that way), so they are checkpointed and resumed with the rest.
 PowerSGD works per matrix instead of per bucket; non-matrix gradients are psum'd in float32.
@@ -30,7 +33,9 @@ from jaxpar.collectives.base import Compressor, Group, unchecked
 from jaxpar.collectives.methods import make_compressor
 from jaxpar.collectives.powersgd import PowerSGD, init_q, matrix_split
 from jaxpar.config import ConfigError
-from jaxpar.sharding import entry_axes, vary, varying_axes
+from jaxpar.parallel.data import reduce_scatter, scatter_microbatch_grads
+from jaxpar.parallel.sync import GradientSync, is_spec
+from jaxpar.sharding import ZERO_AXIS, entry_axes, vary, varying_axes
 
 
 @dataclass
@@ -43,6 +48,9 @@ class Bucket:
     length: int = 0                       # local elements of all leaves
     padded: int = 0
     matrices: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # powersgd: leaf -> (b, m, n)
+    scattered: bool = False               # ZeRO-1: each device keeps its fsdp shard of the sum
+    levels: tuple[int, ...] = ()          # scattered: the sizes the reduction splits the bucket into
+    fsdp_level: int = 0                   # scattered: which of `levels` is fsdp
 
     @property
     def checkable(self) -> bool:
@@ -79,40 +87,61 @@ def dcn_size_of(mesh, cfg) -> int:
                 for j in range(mesh.shape["data"])})
 
 
-class GradientReducer:
-    """Built once per step from the config, the plan and the model's gradient specs."""
+class GradientReducer(GradientSync):
+    """The compressed gradient sync (jaxpar/parallel/sync.py), built once per step from the
+    config, the plan and the model's gradient specs."""
 
-    def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None):
-        self.cfg = cfg
-        self.comp = compressor or make_compressor(cfg)
-        self.plan = plan
+    def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None, wire_dtype=None):
         sizes = plan.mesh.shape
         if sizes.get("pipeline", 1) > 1:
             raise ConfigError("gradient compression (and 1-bit Adam) with mesh.pipeline > 1 is not supported "
                               "yet; use gradient_compression.method=none with pipeline parallelism")
-        self.manual = tuple(plan.batch_axes)
-        self.n_devices = math.prod(sizes[a] for a in self.manual)
-        is_spec = lambda x: isinstance(x, P)
+        super().__init__(plan, grad_specs, wire_dtype=wire_dtype)
+        self.cfg = cfg
+        self.comp = compressor or make_compressor(cfg)
+        self.name = self.comp.name
+        self.batch_axes = tuple(plan.batch_axes)
+        self.n_devices = math.prod(sizes[a] for a in self.batch_axes)
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(grad_specs, is_leaf=is_spec)
         self.paths = [".".join(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
         specs = [s for _, s in flat]
         shapes = jax.tree.leaves(model.shapes)
         axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, tuple))
         self.local_shapes, self.layered, rests = [], [], []
-        for spec, sds, ax in zip(specs, shapes, axes):
+        opt_specs = [plan.spec(ax, sds.shape, "opt") for sds, ax in zip(shapes, axes)]
+        self.zero1: list[int | None] = []  # ZeRO-1: the local dim each leaf is scattered on over fsdp
+        for spec, sds, ax, opt in zip(specs, shapes, axes, opt_specs):
             entries = (*spec, *(None,) * (len(sds.shape) - len(spec)))
-            local = tuple(d // math.prod(sizes[a] for a in entry_axes(e) if a in self.manual)
+            local = tuple(d // math.prod(sizes[a] for a in entry_axes(e) if a in self.batch_axes)
                           for d, e in zip(sds.shape, entries))
             self.local_shapes.append(local)
             self.layered.append(bool(ax) and ax[0] == "layers")
-            done = {a for e in entries for a in entry_axes(e) if a in self.manual}
-            rests.append(tuple(sorted(a for a in self.manual if a not in done and sizes[a] > 1)))
+            done = {a for e in entries for a in entry_axes(e) if a in self.batch_axes}
+            rests.append(tuple(sorted(a for a in self.batch_axes if a not in done and sizes[a] > 1)))
+            self.zero1.append(self._zero1_dim(entries, opt, local))
+        final = [o if d is not None else s for s, o, d in zip(specs, opt_specs, self.zero1)]
+        self.set_final_specs(jax.tree.unflatten(self.treedef, final))
         self.buckets: list[Bucket] = []
-        for rest in sorted(set(rests)):
+        for rest, scattered in sorted(set(zip(rests, [d is not None for d in self.zero1]))):
             if not rest:
                 continue
-            leaves = [i for i, r in enumerate(rests) if r == rest]
-            self.buckets.append(self._bucket(rest, leaves))
+            leaves = [i for i, r in enumerate(rests) if r == rest and (self.zero1[i] is not None) == scattered]
+            self.buckets.append(self._bucket(rest, leaves, scattered))
+
+    def _zero1_dim(self, entries, opt: P, local: tuple[int, ...]) -> int | None:
+        """The dim a leaf's gradient is reduce-scattered on over fsdp at ZeRO-1 (where its
+        optimizer state is sharded on it and nothing else differs), else None."""
+        plan, sizes = self.plan, self.plan.mesh.shape
+        if plan.zero_stage != 1 or sizes.get(ZERO_AXIS, 1) <= 1 or ZERO_AXIS not in self.batch_axes:
+            return None
+        opt_entries = (*opt, *(None,) * (len(entries) - len(opt)))
+        manual = lambda e: tuple(a for a in entry_axes(e) if a in self.batch_axes)
+        dims = [d for d, (g, o) in enumerate(zip(entries, opt_entries)) if manual(g) != manual(o)]
+        if len(dims) != 1:
+            return None
+        d = dims[0]
+        ok = manual(opt_entries[d]) == (*manual(entries[d]), ZERO_AXIS) and not manual(entries[d])
+        return d if ok and local[d] % sizes[ZERO_AXIS] == 0 else None
 
     # ------------------------------------------------------------------ layout
 
@@ -142,9 +171,10 @@ class GradientReducer:
         outer = [Group(other, math.prod(sizes[a] for a in other))] if other else []
         return Group(want, math.prod(sizes[a] for a in want)), outer
 
-    def _bucket(self, rest, leaves) -> Bucket:
+    def _bucket(self, rest, leaves, scattered: bool = False) -> Bucket:
         comp, outer = self._groups(rest)
-        b = Bucket("+".join(rest), rest, leaves, comp, outer)
+        b = Bucket("+".join(rest) + ("_scattered" if scattered else ""), rest, leaves, comp, outer,
+                   scattered=scattered)
         if comp is None:
             return b
         if isinstance(self.comp, PowerSGD):
@@ -159,8 +189,28 @@ class GradientReducer:
                     b.matrices[i] = (math.prod(batch), m, n)
             return b
         b.length = sum(math.prod(self.local_shapes[i]) for i in leaves)
+        if scattered:
+            return self._scattered_layout(b)
         mult = math.prod(g.size for g in outer) * comp.size * self.comp.multiple
         b.padded = -(-b.length // mult) * mult
+        return b
+
+    def _scattered_layout(self, b: Bucket) -> Bucket:
+        """The reduction splits a bucket into blocks, one level per axis it scatters over (the
+        outer groups', then the compressed group's), and gathers them back in reverse; a device
+        that skips the fsdp gather keeps the blocks with its own fsdp index. So the bucket is laid
+        out as [levels..., C] with every leaf's fsdp shard f at index f of the fsdp level:
+        what the device with fsdp index f keeps is exactly shard f of every leaf."""
+        sizes = self.plan.mesh.shape
+        levels: list[tuple[str | None, int]] = []
+        for g in [*b.outer, b.compressed]:
+            levels += [(None, g.size)] if g.index_groups else [(a, sizes[a]) for a in g.axes]
+        b.levels = tuple(s for _, s in levels)
+        b.fsdp_level = [a for a, _ in levels].index(ZERO_AXIS)
+        others = math.prod(b.levels) // sizes[ZERO_AXIS]
+        unit = others * self.comp.multiple
+        shard = b.length // sizes[ZERO_AXIS]
+        b.padded = -(-shard // unit) * unit * sizes[ZERO_AXIS]
         return b
 
     # ------------------------------------------------------------------ state
@@ -184,15 +234,13 @@ class GradientReducer:
     def stateful(self) -> bool:
         return bool(self._state_shapes())
 
-    def state_specs(self):
+    def comm_specs(self):
         """PartitionSpecs of state["comm"]: a leading axis over the batch devices."""
-        spec = P(self.manual if len(self.manual) > 1 else self.manual[0])
+        axes = self.batch_axes
+        spec = P(axes if len(axes) > 1 else axes[0])
         return jax.tree.map(lambda _: spec, self._state_shapes(), is_leaf=lambda x: isinstance(x, tuple))
 
-    def state_shardings(self):
-        return jax.tree.map(self.plan.sharding, self.state_specs(), is_leaf=lambda x: isinstance(x, P))
-
-    def init_state(self) -> dict:
+    def init_comm(self) -> dict:
         """Zero residuals (and PowerSGD's first Q), one row per batch device."""
         def make(path, shape):
             if path and getattr(path[-1], "key", None) == "q":
@@ -208,8 +256,12 @@ class GradientReducer:
         """More of the train state the reduction reads (the step, for a float32 warm-up)."""
         return {"step": state["step"]} if self.cfg.warmup_steps else {}
 
-    def extra_specs(self, grad_out) -> dict:
+    def extra_specs(self) -> dict:
         return {"step": P()} if self.cfg.warmup_steps else {}
+
+    def microbatch(self, grads, specs):
+        """ZeRO-2 reduce-scatters each microbatch's gradients over fsdp, as without compression."""
+        return scatter_microbatch_grads(grads, specs, self.plan, self.manual, self.wire_dtype)
 
     def reduce(self, grads, comm: dict | None, extra: dict | None = None):
         """Inside shard_map: (summed grads, new comm state). comm leaves carry a leading 1.
@@ -224,8 +276,25 @@ class GradientReducer:
         leaves = self.treedef.flatten_up_to(grads)
         for b in self.buckets:
             for i in b.leaves:
-                leaves[i] = jax.lax.psum(leaves[i], b.rest)
+                leaves[i] = self._psum(leaves[i], i, b.rest)
         return jax.tree.unflatten(self.treedef, leaves), comm
+
+    def _psum(self, g, i: int, rest: tuple[str, ...]):
+        """Leaf i summed over `rest` in float32; a ZeRO-1 leaf reduce-scattered to its shard."""
+        d = self.zero1[i]
+        if d is None:
+            return jax.lax.psum(g, rest)
+        g = reduce_scatter(g, (ZERO_AXIS,), d)
+        others = tuple(a for a in rest if a != ZERO_AXIS)
+        return jax.lax.psum(g, others) if others else g
+
+    def _my_shard(self, g, i: int):
+        """This device's fsdp shard of a whole (summed) ZeRO-1 leaf."""
+        d = self.zero1[i]
+        if d is None:
+            return g
+        n = g.shape[d] // self.plan.mesh.shape[ZERO_AXIS]
+        return jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(ZERO_AXIS) * n, n, axis=d)
 
     def _compressed(self, grads, comm: dict | None):
         comm = jax.tree.map(lambda x: x[0], comm or {})
@@ -235,7 +304,7 @@ class GradientReducer:
         for b in self.buckets:
             if b.compressed is None:
                 for i in b.leaves:
-                    out[i] = jax.lax.psum(leaves[i], b.rest)
+                    out[i] = self._psum(leaves[i], i, b.rest)
                 continue
             if isinstance(self.comp, PowerSGD):
                 st = self._reduce_powersgd(b, leaves, out, comm.get(b.key, {}))
@@ -243,27 +312,66 @@ class GradientReducer:
                     new_comm[b.key] = st
                 continue
             st = comm.get(b.key, {})
-            flat = jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in b.leaves])
-            flat = jnp.pad(flat, (0, b.padded - b.length))
+            flat = self._pack_scattered(b, leaves) if b.scattered else self._pack(b, leaves)
             reduce = lambda flat, st, b=b: self._reduce_flat(b, flat, st)
-            flat, st = reduce(flat, st) if b.checkable else unchecked(reduce, flat, st, replicated=b.rest)
+            kept = tuple(a for a in b.rest if not (b.scattered and a == ZERO_AXIS))  # summed, replicated
+            flat, st = reduce(flat, st) if b.checkable else unchecked(reduce, flat, st, replicated=kept)
             if st:
                 new_comm[b.key] = st
-            off = 0
-            for i in b.leaves:
-                n = math.prod(self.local_shapes[i])
-                out[i] = flat[off:off + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
-                off += n
+            for i, piece in zip(b.leaves, self._unpack(b, flat, leaves)):
+                out[i] = piece.astype(leaves[i].dtype)
         new_comm = jax.tree.map(lambda x: x[None], new_comm)
         return jax.tree.unflatten(self.treedef, out), new_comm
 
+    def _pack(self, b: Bucket, leaves):
+        flat = jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in b.leaves])
+        return jnp.pad(flat, (0, b.padded - b.length))
+
+    def _pack_scattered(self, b: Bucket, leaves):
+        """The bucket of a ZeRO-1 bucket's leaves in the layout of `_scattered_layout`."""
+        f = self.plan.mesh.shape[ZERO_AXIS]
+        rows = [jnp.moveaxis(leaves[i], self.zero1[i], 0).reshape(f, -1).astype(jnp.float32) for i in b.leaves]
+        shards = jnp.concatenate(rows, axis=1)  # row j: shard j of every leaf
+        shards = jnp.pad(shards, ((0, 0), (0, b.padded // f - shards.shape[1])))
+        others = [s for j, s in enumerate(b.levels) if j != b.fsdp_level]
+        blocks = shards.reshape(f, *others, -1)
+        return jnp.moveaxis(blocks, 0, b.fsdp_level).reshape(-1)
+
+    def _unpack(self, b: Bucket, flat, leaves) -> list:
+        """The reduced bucket cut back into its leaves (their ZeRO-1 shards for a scattered one)."""
+        f = self.plan.mesh.shape[ZERO_AXIS] if b.scattered else 1
+        out, off = [], 0
+        for i in b.leaves:
+            n = math.prod(self.local_shapes[i]) // f
+            piece = flat[off:off + n]
+            off += n
+            if not b.scattered:
+                out.append(piece.reshape(leaves[i].shape))
+                continue
+            d = self.zero1[i]
+            moved = jnp.moveaxis(leaves[i], d, 0).shape
+            out.append(jnp.moveaxis(piece.reshape(moved[0] // f, *moved[1:]), 0, d))
+        return out
+
     def _reduce_flat(self, b: Bucket, flat, st):
-        """A flat bucket summed over b.rest: float32 over the outer groups, compressed over X."""
+        """A flat bucket summed over b.rest: float32 over the outer groups, compressed over X. A
+        scattered bucket skips the fsdp part of the gathers: each device keeps its shard."""
         for g in b.outer:
             flat = g.psum_scatter(flat)
-        flat, st = self.comp.reduce(flat, st, b.compressed)
+        comp = b.compressed
+        if not b.scattered or ZERO_AXIS not in comp.axes:
+            flat, st = self.comp.reduce(flat, st, comp)
+        elif self.comp.scatters:
+            flat, st = self.comp.reduce(flat, st, comp, gather=_without(comp, ZERO_AXIS, self.plan))
+        else:  # the whole sum, then this device's blocks of it
+            flat, st = self.comp.reduce(flat, st, comp)
+            sizes = self.plan.mesh.shape
+            blocks = flat.reshape(*(sizes[a] for a in comp.axes), -1)
+            flat = jax.lax.dynamic_index_in_dim(blocks, jax.lax.axis_index(ZERO_AXIS),
+                                                comp.axes.index(ZERO_AXIS), keepdims=False).reshape(-1)
         for g in reversed(b.outer):
-            flat = g.all_gather(flat)
+            skip = b.scattered and ZERO_AXIS in g.axes
+            flat = (_without(g, ZERO_AXIS, self.plan) if skip else g).all_gather(flat)
         return flat, st
 
     def _reduce_powersgd(self, b: Bucket, leaves, out, st) -> dict:
@@ -271,7 +379,7 @@ class GradientReducer:
         for i in b.leaves:
             g = leaves[i]
             if i not in b.matrices:
-                out[i] = jax.lax.psum(g, b.rest)
+                out[i] = self._psum(g, i, b.rest)
                 continue
             bb, m, n = b.matrices[i]
             name = self.paths[i]
@@ -282,14 +390,14 @@ class GradientReducer:
                 return self.comp.reduce_matrix(g.reshape(bb, m, n).astype(jnp.float32), st, b.compressed)
             approx, new[name] = reduce(g, st[name]) if b.checkable else \
                 unchecked(reduce, g, st[name], replicated=b.rest)
-            out[i] = approx.reshape(g.shape).astype(g.dtype)
+            out[i] = self._my_shard(approx.reshape(g.shape).astype(g.dtype), i)
         return new
 
     def describe(self) -> str:
         parts = []
         for b in self.buckets:
             if b.compressed is None:
-                parts.append(f"{b.key}: float32 psum")
+                parts.append(f"{b.key}: float32 {'reduce-scatter' if b.scattered else 'psum'}")
             else:
                 outer = "".join(f" (float32 over {g.describe()})" for g in b.outer)
                 parts.append(f"{b.key}: {self.comp.name} over {b.compressed.describe()}{outer}")
@@ -304,3 +412,10 @@ def _per_device_state(branch):
         grads, new = branch(grads, comm)
         return grads, jax.tree.map(lambda n, old: vary(n, tuple(sorted(varying_axes(old)))), new, comm)
     return run
+
+
+def _without(group: Group, axis: str, plan) -> Group:
+    """`group` less one of its axes (maybe none, a gather that moves nothing): where a ZeRO-1
+    gather skips fsdp."""
+    axes = tuple(a for a in group.axes if a != axis)
+    return Group(axes, math.prod(plan.mesh.shape[a] for a in axes))

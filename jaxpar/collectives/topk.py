@@ -48,7 +48,9 @@ class TopK(Compressor):
     def state_shapes(self, length, n):
         return {"worker": (length,)} if self.error_feedback else {}
 
-    def reduce(self, x, state, group: Group):
+    scatters = False  # every device's picks are gathered: each device sums the whole bucket
+
+    def reduce(self, x, state, group: Group, gather=None):
         v = x + state["worker"] if self.error_feedback else x
         payload = self.compress(v[None])
         sent = self.decompress(payload)[0]

@@ -10,6 +10,7 @@ decides how they are reduced:
               before use (again in the backward, under remat), and the transpose of that
               all-gather is the reduce-scatter of their gradients.
 Plain GSPMD would all-reduce and then slice; here the bytes on the wire match the ZeRO paper.
+`AllReduce` is this module's gradient sync (jaxpar/parallel/sync.py).
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from jax.sharding import PartitionSpec as P
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.nn import axes_of
+from jaxpar.parallel.sync import GradientSync
+from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes
 
 GATHERED = "jaxpar_zero3_gathered"
-from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes
 
 
 def sharded_dims(spec: P, axes: set[str] | frozenset[str]) -> list[tuple[int, tuple[str, ...]]]:
@@ -159,14 +161,19 @@ def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[st
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def reduce_data_parallel(grads, grad_specs, manual: frozenset[str], sizes: dict[str, int],
-                         reducer=None, comm: dict | None = None, extra: dict | None = None,
-                         out_specs=None, dtype=None):
-    """The final data-parallel reduction: (grads, comm). Without a reducer (or with
-    gradient_compression.method none) the default psums above (in `dtype`); with one
-    (jaxpar.collectives.GradientReducer) the compressed reduction, whose error-feedback
-    residuals `comm` (this device's rows of state["comm"]) come in and go out; `extra` is more
-    of the state the reducer asked for (1-bit Adam: the optimizer's momentum and step)."""
-    if reducer is None:
-        return reduce_final_grads(grads, grad_specs, manual, sizes, out_specs, dtype), {}
-    return reducer.reduce(grads, comm, extra)
+class AllReduce(GradientSync):
+    """Plain data parallelism and ZeRO: every microbatch's gradients reduce-scattered over fsdp
+    at ZeRO-2; the accumulated gradients reduce-scattered to the optimizer's shard at ZeRO-1 (no
+    more bytes than DP, half an all-reduce's), all-reduced over the batch axes left."""
+
+    name = "psum"
+
+    def __init__(self, plan: Plan, grad_specs, opt_specs, wire_dtype=None):
+        super().__init__(plan, grad_specs, opt_specs if plan.zero_stage == 1 else grad_specs, wire_dtype)
+
+    def microbatch(self, grads, specs):
+        return scatter_microbatch_grads(grads, specs, self.plan, self.manual, self.wire_dtype)
+
+    def reduce(self, grads, comm, extra):
+        return reduce_final_grads(grads, self.grad_out, self.manual, self.plan.mesh.shape, self.final_out,
+                                  self.wire_dtype), comm

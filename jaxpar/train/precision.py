@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.config import Config, ConfigError, TrainConfig
-from jaxpar.train.step import DTYPES
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class MasterState(NamedTuple):

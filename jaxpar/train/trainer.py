@@ -4,9 +4,6 @@ Scripts use it directly (`Trainer(cfg, model_factory=...)`), the CLI through `ja
 """
 from __future__ import annotations
 
-import json
-import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -17,21 +14,22 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.checkpoint import (Checkpointer, Preemption, ResumePlan, checkpoint_dir, ensure_writable,
-                               layout_meta, plan_resume, truncate_metrics)
+                               layout_meta, plan_resume)
 from jaxpar.config import Config, ConfigError
 from jaxpar.data import DataLoader, build_source
 from jaxpar.distributed import barrier, initialize
 from jaxpar.mesh import build_mesh, describe
-from jaxpar.metrics import (CompositeWriter, JsonlWriter, Progress, TensorBoardWriter, compiled_memory,
-                            format_banner, generic_flops_per_token, llama_flops_per_token, mfu, peak_flops)
+from jaxpar.metrics import (compiled_memory, format_banner, generic_flops_per_token, llama_flops_per_token,
+                            peak_flops)
 from jaxpar.observe import build_callbacks
 from jaxpar.parallel.expert import check_layout as check_experts
 from jaxpar.parallel.pipeline import check_pipeline_layout
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import build_optimizer, schedule
-from jaxpar.train.precision import apply_precision, check_precision
-from jaxpar.train.step import DTYPES, make_init, make_step_spec, make_train_step
+from jaxpar.train.loop import NonfiniteWatch, StepLog
+from jaxpar.train.precision import DTYPES, apply_precision, check_precision
+from jaxpar.train.step import make_init, make_step_spec, make_train_step
 from jaxpar.xla import apply_xla_flags
 from models.llama import Llama
 from models.moe import MoELlama, active_param_count
@@ -95,7 +93,8 @@ class Trainer:
         self.lr_schedule = schedule(cfg.optimizer, cfg.train.steps)
         self.tx = apply_precision(build_optimizer(cfg.optimizer, cfg.train.steps, self.model.axes), cfg.train)
         self.spec = make_step_spec(self.model, self.plan, self.tx, compression=cfg.gradient_compression,
-                                   optimizer=cfg.optimizer, local_sgd=cfg.local_sgd)
+                                   optimizer=cfg.optimizer, local_sgd=cfg.local_sgd,
+                                   grad_reduce_dtype=cfg.train.grad_reduce_dtype)
         named = {}
         flat_specs = self.model.leaves_with_paths(self.spec.param_specs)
         for path, sds in self.model.leaves_with_paths(self.model.shapes).items():
@@ -121,8 +120,7 @@ class Trainer:
         cfg = self.cfg
         kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline,
                   compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat,
-                  lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite,
-                  grad_reduce_dtype=cfg.train.grad_reduce_dtype)
+                  lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite)
         return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
 
     def _flops_per_token(self, custom: bool) -> float:
@@ -224,8 +222,8 @@ class Trainer:
 
     def _fresh(self, keys: list[str]) -> dict:
         """Freshly initialised top-level state entries (placed by the plan)."""
-        if keys == ["comm"] and getattr(self.spec, "reducer", None) is not None:
-            return {"comm": jax.jit(self.spec.reducer.init_state,
+        if keys == ["comm"] and self.spec.sync.comm_specs():
+            return {"comm": jax.jit(self.spec.sync.init_comm,
                                     out_shardings=self.spec.state_shardings["comm"])()}
         state = self.init_state()
         return {k: state[k] for k in keys}
@@ -269,109 +267,83 @@ class Trainer:
         finishes the step, saves and returns (`self.preempted` names the signal)."""
         cfg, t = self.cfg, self.cfg.train
         out_dir = Path(out_dir) if out_dir is not None else None
-        ckpt = None
-        if out_dir is not None and cfg.checkpoint.enabled:
-            ckpt = self._own_ckpt(checkpoint_dir(cfg, out_dir))
-            if state is None:
-                state, start_step, where = self.restore(out_dir=out_dir)
-                if state is not None:
-                    self.log(f"resumed from {where}")
-        state = self.init_state() if state is None else state
-        if start_step == 0:
-            self.skipped_steps, self.skipped_batches = 0, []
-        writers = list(self.writers)
-        if out_dir is not None and jax.process_index() == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            truncate_metrics(out_dir / "metrics.jsonl", start_step)  # reads like one uninterrupted run
-            writers += [JsonlWriter(out_dir / "metrics.jsonl"), TensorBoardWriter(out_dir / "tb")]
-        writer = CompositeWriter(writers)
-        show = t.progress if progress is None else progress
-        bar = Progress(t.steps, start_step, enabled=show and jax.process_index() == 0)
-        tokens_per_step = t.global_batch * t.seq_len
+        ckpt, state, start_step = self._begin(state, start_step, out_dir)
+        log = StepLog(self, out_dir, start_step, t.progress if progress is None else progress)
         step_fn = self.compiled or self.compile()
         barrier("fit start")  # processes start their collectives together
-        history: list[dict] = []
-        last, last_step = time.perf_counter(), start_step
-        done = start_step  # steps completed
-        self.preempted = None
-        streak, pending, rollbacks, last_bad = 0, None, 0, 0
-
-        def consume():  # a step's non-finite flag, read one step late (so the host does not stall)
-            nonlocal streak, pending, last_bad
-            if pending is None:
-                return
-            (n, flag), pending = pending, None
-            if flag is not None and bool(jax.device_get(flag)):
-                self.skipped_steps += 1
-                streak, last_bad = streak + 1, n
-            else:
-                streak = 0
-
+        watch = NonfiniteWatch(on_bad=self._count_skipped)
+        done = step = start_step  # steps completed
+        rollbacks, finished, self.preempted = 0, False, None
         for cb in self.callbacks:
             cb.on_start(self, start_step, state)
-        finished = False
         try:
             with Preemption(cfg.checkpoint.preemption_grace_s, self.log) as preemption:
-                step = start_step
                 while step < t.steps:
                     state, metrics = step_fn(state, self.loader.batch(self.data_step(step)))
-                    consume()
                     step = done = step + 1
-                    pending = (step, metrics.get("nonfinite"))
+                    watch.push(step, metrics.get("nonfinite"))
                     for cb in self.callbacks:
                         cb.on_step_end(self, step, state, metrics)
                     if step % t.log_every == 0 or step == t.steps or step == 1:
-                        consume()
-                        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()
-                                   if k != "nonfinite"}
-                        now = time.perf_counter()
-                        dt, last, last_step = (now - last) / (step - last_step), now, step
-                        rec = {"step": step, **metrics, "tokens_per_s": tokens_per_step / dt,
-                               "step_time_s": dt}
-                        if t.skip_nonfinite:
-                            rec["skipped_steps"] = self.skipped_steps
-                        u = mfu(rec["tokens_per_s"] / self.mesh.devices.size, self.flops_per_token, self.peak)
-                        if u is not None:
-                            rec["mfu"] = u
-                        history.append(rec)
-                        writer.write(step, rec)
-                        bar.update(step, rec["loss"], rec["tokens_per_s"])
-                        for cb in self.callbacks:
-                            cb.on_log(self, rec)
-                    if t.skip_nonfinite and streak >= t.max_nonfinite:
-                        state, step = self._on_nonfinite_streak(ckpt, state, last_bad, streak, rollbacks)
-                        pending = None
-                        done, streak, rollbacks = step, 0, rollbacks + 1
-                        history = [h for h in history if h["step"] <= step]
-                        if out_dir is not None and jax.process_index() == 0:
-                            truncate_metrics(out_dir / "metrics.jsonl", step)
+                        watch.consume()
+                        log.record(step, metrics)
+                    if t.skip_nonfinite and watch.streak >= t.max_nonfinite:
+                        state, step = self._on_nonfinite_streak(ckpt, state, watch.last_bad, watch.streak,
+                                                                rollbacks)
+                        watch.reset()
+                        done, rollbacks = step, rollbacks + 1
+                        log.truncate(step)
                         continue
                     if ckpt is not None and step % cfg.checkpoint.every == 0:
-                        consume()
+                        watch.consume()
                         self.save(ckpt, step, state)
                     if preemption.should_stop(step):
                         self.preempted = preemption.requested
                         break
-                consume()
-                if ckpt is not None and ckpt.last_saved != done and done > start_step:
-                    self.save(ckpt, done, state)
-                if ckpt is not None:
-                    ckpt.wait()
+                watch.consume()
+                self._final_save(ckpt, done, start_step, state)
             finished = True
         finally:
-            if ckpt is not None and not finished:
-                try:  # let a save in flight complete (it is whole or absent either way)
-                    ckpt.wait()
-                except Exception:  # noqa: BLE001
-                    pass
-            bar.close()
-            writer.close()
-            for cb in self.callbacks:
-                cb.on_end(self, done, state)
+            self._end(ckpt, finished, log, done, state)
+        return state, log.history
+
+    def _begin(self, state, start_step: int, out_dir: Path | None):
+        """(checkpointer or None, the state to start from, its step): resumed per train.resume
+        when a run directory is given and no state, else freshly initialised."""
+        ckpt = None
+        if out_dir is not None and self.cfg.checkpoint.enabled:
+            ckpt = self._own_ckpt(checkpoint_dir(self.cfg, out_dir))
+            if state is None:
+                state, start_step, where = self.restore(out_dir=out_dir)
+                if state is not None:
+                    self.log(f"resumed from {where}")
+        if start_step == 0:
+            self.skipped_steps, self.skipped_batches = 0, []
+        return ckpt, self.init_state() if state is None else state, start_step
+
+    def _count_skipped(self) -> None:
+        self.skipped_steps += 1
+
+    def _final_save(self, ckpt, done: int, start_step: int, state) -> None:
+        """The last step is saved (unless it already was) and every save has landed."""
+        if ckpt is None:
+            return
+        if ckpt.last_saved != done and done > start_step:
+            self.save(ckpt, done, state)
+        ckpt.wait()
+
+    def _end(self, ckpt, finished: bool, log: StepLog, done: int, state) -> None:
+        if ckpt is not None and not finished:
+            try:  # let a save in flight complete (it is whole or absent either way)
+                ckpt.wait()
+            except Exception:  # noqa: BLE001
+                pass
+        log.close()
+        for cb in self.callbacks:
+            cb.on_end(self, done, state)
         if self.preempted:
             self.log(f"stopped by {self.preempted} after step {done}: checkpoint saved in "
                      f"{ckpt.root / str(done) if ckpt else '(checkpoints off)'}; metrics flushed")
-        return state, history
 
     def _on_nonfinite_streak(self, ckpt, state, last_bad: int, streak: int,
                              rollbacks: int) -> tuple[dict, int]:

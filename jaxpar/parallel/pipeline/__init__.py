@@ -9,6 +9,7 @@ microbatch count is train.grad_accum); `mesh.pipeline` is the number of devices 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from jaxpar.config import ConfigError, PipelineConfig
@@ -40,10 +41,22 @@ def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
             f"times the pipeline microbatches ({m}) = {dp * m}")
 
 
+@dataclass(frozen=True)
+class PipelineAccumulation:
+    """The step's accumulation interface (jaxpar/train/accumulate.py) run as a timetable:
+    accumulate(params, mbs, loss) -> (losses [1], local grads, sown [1])."""
+
+    run: Callable
+    microbatches: int
+
+    def __call__(self, params, mbs, loss):
+        return self.run(params, mbs, loss)
+
+
 def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_top: Callable,
-                       loss_sum_fn: Callable, scatter: Callable, grad_specs: Any):
-    """What the train step calls when mesh.pipeline > 1: (run, microbatches), where
-    run(params, mbs, n_tokens) -> (losses, local grads) replaces the microbatch loop."""
+                       scatter: Callable, grad_specs: Any) -> PipelineAccumulation:
+    """What the train step runs instead of the microbatch scan when mesh.pipeline > 1;
+    `scatter(grads, specs)` is the sync's per-microbatch hook, `grad_specs` its `grad_out`."""
     cfg = pipeline_cfg or PipelineConfig()
     p = plan.mesh.shape["pipeline"]
     m = cfg.resolved_microbatches(grad_accum)
@@ -57,13 +70,11 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
     check_schedule(cfg.schedule, p, m, cfg.virtual_stages, n_layers.pop())
     tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages)
     manual = frozenset(plan.batch_axes) | {"pipeline"}
-    share = 1.0 / (plan.batch_size_divisor * m)  # sown values: one microbatch's share of the batch
     busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
-    run = make_pipeline_grads(model, tt, ctx, prepare_top, loss_sum_fn, scatter, grad_specs, stacked, share,
-                              busy)
-    return run, m
+    return PipelineAccumulation(make_pipeline_grads(model, tt, ctx, prepare_top, scatter, grad_specs, stacked,
+                                                    busy), m)
 
 
 __all__ = ["SCHEDULES", "Timetable", "build_timetable", "check_pipeline_layout", "check_schedule",
            "idle_formula",
-           "make_step_pipeline", "plot_timetable", "stacked_paths"]
+           "PipelineAccumulation", "make_step_pipeline", "plot_timetable", "stacked_paths"]

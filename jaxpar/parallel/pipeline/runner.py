@@ -38,7 +38,6 @@ import numpy as np
 from jaxpar import nn
 from jaxpar.sharding import vary, varying_axes
 from jaxpar.train.model import nest
-from jaxpar.train.sown import add_sown
 from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, F_FIRST, F_MID, IDLE,
                                                Timetable)
 
@@ -92,19 +91,19 @@ def from_interleaved(x: jax.Array, p: int, v: int) -> jax.Array:
 
 
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
-                        loss_sum_fn: Callable, scatter: Callable, grad_specs: Any,
-                        stacked: set[tuple], share: float = 1.0, manual: tuple[str, ...] = ()) -> Callable:
-    """run(params, mbs, n_tokens) -> (losses [1], local grads, sown [1]): the pipelined equivalent
-    of summing jax.value_and_grad(loss) over the microbatches `mbs` [m, b, seq+1]. Sown values
-    are weighted by `share` (a microbatch's fraction of the global batch), as in the plain step.
+                        scatter: Callable, grad_specs: Any, stacked: set[tuple],
+                        manual: tuple[str, ...] = ()) -> Callable:
+    """run(params, mbs, loss) -> (losses [1], local grads, sown [1]): the pipelined equivalent
+    of summing jax.value_and_grad(loss) over the microbatches `mbs` [m, b, seq+1], with `loss`
+    the step's train.loss.MicrobatchLoss (the same normalisation and sown weighting).
 
     `prepare_top(state)` casts/gathers the non-layer params, `scatter(grads, specs)` is the
-    per-microbatch gradient reduction (ZeRO-2), `stacked` the param paths with a `layers` dim,
+    per-microbatch gradient hook (the sync's: ZeRO-2), `stacked` the param paths with a `layers` dim,
     `manual` the shard_map's manual axes of size > 1: every tick's carry (accumulators, ring
     buffers) and every branch's zeros vary over them (check_vma), as what fills them does.
     """
     tt = timetable
-    p, v, G = tt.p, tt.v, tt.stages
+    p, v = tt.p, tt.v
     tables = np.stack([tt.code, tt.mb, tt.chunk, tt.x_slot, tt.g_slot, tt.recv_x, tt.recv_g], -1)
     n_x, n_g = max(tt.n_x_slots, 1), max(tt.n_g_slots, 1)
     if v == 1:
@@ -115,7 +114,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         bwd_perm = [((d + 1) % p, d) for d in range(p)]
     flat_specs = flatten(grad_specs)
 
-    def run(params, mbs, n_tokens):
+    def run(params, mbs, loss_fn):
         flat = flatten(params)
         top = {k: a for k, a in flat.items() if k not in stacked}
         lay = {k: a.reshape(v, a.shape[0] // v, *a.shape[1:]) for k, a in flat.items() if k in stacked}
@@ -146,7 +145,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         def post(top, lay_k, y, tok):
             with nn.collect_aux() as sown:
                 logits = call(top, lay_k, tok, lambda stack, carry, fn: y, True)
-            return add_sown(loss_sum_fn(logits, tok[:, 1:]) / n_tokens, sown, share)
+            return loss_fn(logits, tok, sown)
 
         def chunk(k):
             return {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))

@@ -1,0 +1,124 @@
+"""The model's forward inside the train step: the nn.Context through which the strategies reach
+into the model (activation constraints, expert dispatch, per-layer param gathers, remat), the
+casts and ZeRO-3 gathers of the params outside the layer scan, and ZeRO-3's forward that gathers
+the embedding and head again in the backward."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from jaxpar import nn
+from jaxpar.parallel.data import GATHERED, param_preparer
+from jaxpar.parallel.expert import expert_hook
+from jaxpar.parallel.tensor import activation_constrainer
+from jaxpar.sharding import Plan
+from jaxpar.train.model import ModelDef
+
+
+@dataclass(frozen=True)
+class Forward:
+    """forward(params, inputs) -> (logits, sown); `ctx` and `prepare_top` are what the pipeline
+    needs to cut the same forward into stages."""
+
+    ctx: nn.Context
+    prepare_top: Callable
+    run: Callable
+
+    def __call__(self, params, inputs):
+        return self.run(params, inputs)
+
+
+def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dtype, remat: str,
+                 grad_dtype=None) -> Forward:
+    """The forward of `model` inside a shard_map manual over `manual`, computing in
+    `compute_dtype`; ZeRO-3's gradient reduce-scatters run in `grad_dtype`."""
+    prepare = param_preparer(plan, manual, compute_dtype, grad_dtype)
+    ctx = nn.Context(constrain=activation_constrainer(plan, manual), experts=expert_hook(plan, manual),
+                     layer_params=lambda st: prepare(st, stacked=True), remat=remat,
+                     never_save=(GATHERED,) if plan.zero_stage >= 3 else ())
+    stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
+    prepare_top = lambda st: _prepare_top(st, prepare, stacked)
+
+    def forward(params, inputs):
+        state = prepare_top(model.state(params))
+        with nn.use_context(ctx), nn.collect_aux() as sown:
+            logits = model.merge(state)(inputs)
+        return logits, dict(sown)
+
+    # ZeRO-3: embeddings and head are gathered again for the backward too
+    return Forward(ctx, prepare_top, never_save_ends(model, ctx, prepare_top) if ctx.never_save else forward)
+
+
+class _Stop(Exception):
+    def __init__(self, value):
+        super().__init__("stopped at the layer scan")
+        self.value = value
+
+
+def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> Callable:
+    """forward(params, tokens) -> (logits, sown) for ZeRO-3. What the model runs before its
+    scan_layers call (the embedding) and after it (final norm, head) each run under a checkpoint
+    that saves everything but the gathered weights (ctx.never_save), so the backward gathers them
+    again; the layer scan runs between the two, outside any checkpoint, so that its per-layer
+    policy (train.remat, which never saves the gathers either) is the one that acts. A checkpoint
+    around the whole forward would not do: JAX partial-evaluates a checkpoint nested in another
+    with the outer one's policy, which silently replaced every train.remat by "save all but the
+    gathers". A model that never calls scan_layers runs whole under the checkpoint."""
+    policy = nn.remat_policy("none", ctx.never_save)
+    weights: dict = {}  # sown name -> loss weight (static, so kept out of the checkpoints)
+    fired: list = []
+
+    def call(params, tokens, hook, prep: bool):
+        state = model.state(params)
+        if prep:
+            state = prepare_top(state)
+        try:
+            with nn.use_context(dataclasses.replace(ctx, layers_hook=hook)), nn.collect_aux() as sown:
+                out = model.merge(state)(tokens)
+        except _Stop as stop:
+            out = stop.value
+        weights.update((k, w) for k, (_, w) in sown.items())
+        return out, {k: v for k, (v, _) in sown.items()}
+
+    def stop(stack, carry, fn):
+        fired.append(True)
+        raise _Stop(carry)
+
+    def pre(params, tokens):
+        return call(params, tokens, stop, True)
+
+    def layers(params, x, tokens):
+        def scan(stack, carry, fn):
+            raise _Stop(nn.scan_stack(stack, x, fn))
+        return call(params, tokens, scan, False)[0]
+
+    def post(params, y, tokens):
+        return call(params, tokens, lambda stack, carry, fn: y, True)
+
+    def forward(params, tokens):
+        fired.clear()
+        x, sown_pre = jax.checkpoint(pre, policy=policy)(params, tokens)
+        if not fired:  # no layer scan: `pre` ran the whole model
+            return x, {k: (v, weights[k]) for k, v in sown_pre.items()}
+        y = layers(params, x, tokens)
+        logits, sown_post = jax.checkpoint(post, policy=policy)(params, y, tokens)
+        # `post` runs the prologue again (dead code but for the gathers the head shares): what
+        # the prologue sowed is taken from `pre`
+        return logits, {k: (v, weights[k]) for k, v in {**sown_post, **sown_pre}.items()}
+
+    return forward
+
+
+def _prepare_top(state, prepare, stacked_paths: set[str]):
+    """Cast/gather the params used outside the layer scan (embeddings, final norm, head) and cast
+    the layer stacks that need no per-layer gather (see jaxpar.parallel.data.param_preparer)."""
+    flat = nnx.to_flat_state(state)
+    items = []
+    for path, var in flat:
+        stacked = "/".join(map(str, path)) in stacked_paths
+        items.append((path, prepare({"v": var}, stacked=stacked, cast_only=stacked)["v"]))
+    return nnx.from_flat_state(items)

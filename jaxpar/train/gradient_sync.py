@@ -1,0 +1,27 @@
+"""Which gradient sync a config asks for (the interface: jaxpar/parallel/sync.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+from jaxpar.collectives.local_sgd import LocalSGD
+from jaxpar.collectives.onebit_adam import OneBitAdamReducer
+from jaxpar.collectives.reducer import GradientReducer
+from jaxpar.config import GradientCompressionConfig
+from jaxpar.parallel.data import AllReduce
+from jaxpar.parallel.sync import GradientSync
+from jaxpar.sharding import Plan
+
+
+def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = None, optimizer: Any = None,
+              local_sgd: Any = None, wire_dtype: Any = None) -> GradientSync:
+    """`specs`: the model's "param", "grad" and "opt" PartitionSpecs. Local SGD when replicas step
+    alone (local_sgd.sync_every > 1), 1-bit Adam's momentum exchange when it is the optimizer, a
+    compressed reduction when gradient_compression.method is not none, else the plain psum."""
+    if local_sgd is not None and local_sgd.sync_every > 1:
+        return LocalSGD(local_sgd, plan, specs["param"], specs["grad"], compression, optimizer, wire_dtype)
+    if optimizer is not None and getattr(optimizer, "name", "adamw") == "onebit_adam":
+        return OneBitAdamReducer(optimizer, compression or GradientCompressionConfig(), plan, model,
+                                 specs["grad"], wire_dtype)
+    if compression is not None and compression.method != "none":
+        return GradientReducer(compression, plan, model, specs["grad"], wire_dtype=wire_dtype)
+    return AllReduce(plan, specs["grad"], specs["opt"], wire_dtype)

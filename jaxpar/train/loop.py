@@ -1,0 +1,87 @@
+"""The pieces of Trainer.fit that keep state across steps: the non-finite flags read one step
+late, and the log records (throughput, MFU) that go to the writers, progress bar and callbacks."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+from jaxpar.checkpoint import truncate_metrics
+from jaxpar.metrics import CompositeWriter, JsonlWriter, Progress, TensorBoardWriter, mfu
+
+
+class NonfiniteWatch:
+    """The step's `nonfinite` flag, read when the next step has been dispatched (reading it at once
+    would stall the host on the device every step). `on_bad()` is called for each bad step."""
+
+    def __init__(self, on_bad: Callable[[], None]):
+        self.on_bad = on_bad
+        self.pending: tuple[int, Any] | None = None
+        self.streak = 0    # bad steps in a row
+        self.last_bad = 0  # the step count after the last bad step
+
+    def push(self, step: int, flag) -> None:
+        self.consume()
+        self.pending = (step, flag)
+
+    def consume(self) -> None:
+        if self.pending is None:
+            return
+        (n, flag), self.pending = self.pending, None
+        if flag is not None and bool(jax.device_get(flag)):
+            self.on_bad()
+            self.streak, self.last_bad = self.streak + 1, n
+        else:
+            self.streak = 0
+
+    def reset(self) -> None:
+        self.pending, self.streak = None, 0
+
+
+class StepLog:
+    """Logged steps as records: {"step", metrics..., tokens_per_s, step_time_s[, mfu]}, written to
+    metrics.jsonl and TensorBoard under `out_dir` (process 0) and the configured writers."""
+
+    def __init__(self, trainer, out_dir: Path | None, start_step: int, show_progress: bool):
+        t = trainer.cfg.train
+        self.trainer, self.out_dir = trainer, out_dir
+        writers = list(trainer.writers)
+        if out_dir is not None and jax.process_index() == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            truncate_metrics(out_dir / "metrics.jsonl", start_step)  # reads like one uninterrupted run
+            writers += [JsonlWriter(out_dir / "metrics.jsonl"), TensorBoardWriter(out_dir / "tb")]
+        self.writer = CompositeWriter(writers)
+        self.bar = Progress(t.steps, start_step, enabled=show_progress and jax.process_index() == 0)
+        self.tokens_per_step = t.global_batch * t.seq_len
+        self.last, self.last_step = time.perf_counter(), start_step
+        self.history: list[dict] = []
+
+    def record(self, step: int, metrics: dict) -> dict:
+        tr = self.trainer
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "nonfinite"}
+        now = time.perf_counter()
+        dt, self.last, self.last_step = (now - self.last) / (step - self.last_step), now, step
+        rec = {"step": step, **metrics, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt}
+        if tr.cfg.train.skip_nonfinite:
+            rec["skipped_steps"] = tr.skipped_steps
+        u = mfu(rec["tokens_per_s"] / tr.mesh.devices.size, tr.flops_per_token, tr.peak)
+        if u is not None:
+            rec["mfu"] = u
+        self.history.append(rec)
+        self.writer.write(step, rec)
+        self.bar.update(step, rec["loss"], rec["tokens_per_s"])
+        for cb in tr.callbacks:
+            cb.on_log(tr, rec)
+        return rec
+
+    def truncate(self, step: int) -> None:
+        """Forget what was logged after `step` (a rollback to it)."""
+        self.history = [h for h in self.history if h["step"] <= step]
+        if self.out_dir is not None and jax.process_index() == 0:
+            truncate_metrics(self.out_dir / "metrics.jsonl", step)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
