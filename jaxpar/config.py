@@ -60,8 +60,28 @@ class MoEConfig(Strict):
         return self
 
 
+class RopeScalingConfig(Strict):
+    """Llama 3.1's RoPE frequency scaling (`type: llama3`): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched by `factor`, those shorter
+    than original_max_position_embeddings / high_freq_factor kept, the band between blended."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, gt=0)
+
+    @model_validator(mode="after")
+    def _band(self) -> "RopeScalingConfig":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor={self.high_freq_factor} must be above "
+                             f"low_freq_factor={self.low_freq_factor}")
+        return self
+
+
 class ModelConfig(Strict):
-    """A Llama-style decoder. `preset` fills the fields; fields given beside it win."""
+    """A Llama-style decoder. `preset` fills the fields; fields given beside it win.
+    `rope_scaling` (null: plain RoPE) is Llama 3.1's frequency scaling."""
 
     preset: str | None = None
     vocab_size: int = Field(256, gt=0)
@@ -72,6 +92,7 @@ class ModelConfig(Strict):
     head_dim: int | None = Field(None, gt=0)
     ffn_dim: int = Field(384, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScalingConfig | None = None
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
