@@ -1,5 +1,6 @@
 """`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`, `jaxpar plot RUN_DIR...`,
-`jaxpar profile [RUN_DIR]`, `jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
+`jaxpar profile [RUN_DIR]`, `jaxpar convert from-hf|to-hf SRC DST`,
+`jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
 
 User mistakes (bad config, bad checkpoint) print one clear message and exit 2, never a traceback.
 """
@@ -79,6 +80,15 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from jaxpar.hf.convert import from_hf, to_hf
+    if args.direction == "from-hf":
+        from_hf(args.src, args.dst)
+    else:
+        to_hf(args.src, args.dst, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    return 0
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     from jaxpar.checkpoint import inspect
     print(inspect(args.dir, verify_data=args.verify))
@@ -113,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true",
                      help="also load every complete step and compare its checksums")
     ins.set_defaults(fn=_checkpoint)
+    cv = sub.add_parser("convert", help="Hugging Face checkpoints: jaxpar convert from-hf HF_DIR OUT_CKPT "
+                        "| to-hf RUN_OR_CKPT OUT_DIR")
+    cv.add_argument("direction", choices=("from-hf", "to-hf"))
+    cv.add_argument("src", help="from-hf: a Hugging Face model dir; to-hf: a run dir, checkpoints dir or step")
+    cv.add_argument("dst", help="from-hf: a new checkpoints dir; to-hf: a new Hugging Face model dir")
+    cv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="to-hf: the safetensors dtype")
+    cv.add_argument("--max-shard-gb", type=float, default=5.0, help="to-hf: split files above this size")
+    cv.set_defaults(fn=_convert)
     la = sub.add_parser("launch", help="N local processes x K CPU devices on jax.distributed "
                         "(jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG ...)")
     la.add_argument("--nprocs", type=int, required=True, help="processes to start")

@@ -335,10 +335,21 @@ class TrainConfig(Strict):
     log_every: int = Field(1, gt=0)
     progress: bool = True
     resume: str = Field("auto", description="auto (latest good checkpoint of the run), never, or a path")
+    # Start a fresh run from other weights (a resumed run keeps its own): `hf:DIR` (a Hugging Face
+    # model dir) or a jaxpar checkpoint path; either fills model.* (jaxpar/hf/init.py).
+    init_from: str | None = None
     skip_nonfinite: bool = Field(True, description="skip updates whose loss or grad norm is not finite")
     max_nonfinite: int = Field(5, ge=1, description="stop after this many non-finite steps in a row")
     nonfinite_rollback: bool = Field(False, description="instead of stopping: restore the last "
                                      "checkpoint and skip the batch that started the run of bad steps")
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or v.strip() == "hf:"):
+            raise ValueError("train.init_from must be hf:DIR (a Hugging Face model dir) or a jaxpar "
+                             "checkpoint path, or null")
+        return v
 
 
 class PipelineConfig(Strict):

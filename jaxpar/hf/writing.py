@@ -58,6 +58,7 @@ def _save(save_file, tensors: dict, path: Path, write: bool) -> Path:
     if write:  # a temporary name first: a file that exists is whole
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)  # safetensors creates it private
         os.replace(tmp, path)
     return path
 
