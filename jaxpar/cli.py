@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv = sub.add_parser("convert", help="Hugging Face checkpoints: jaxpar convert from-hf HF_DIR OUT_CKPT "
                         "| to-hf RUN_OR_CKPT OUT_DIR")
     cv.add_argument("direction", choices=("from-hf", "to-hf"))
-    cv.add_argument("src", help="from-hf: a Hugging Face model dir; to-hf: a run dir, checkpoints dir or step")
+    cv.add_argument("src", help="from-hf: a Hugging Face model dir; to-hf: a run dir, checkpoints dir "
+                    "or step dir")
     cv.add_argument("dst", help="from-hf: a new checkpoints dir; to-hf: a new Hugging Face model dir")
     cv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="to-hf: the safetensors dtype")

@@ -106,8 +106,9 @@ def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
         fields["head_dim"] = None  # jaxpar's default: dim // n_heads
     if kind == "mixtral":
         # transformers' Mixtral: softmax router, top-k renormalised, every token computed (no drop)
-        fields["moe"] = dict(num_experts=hf.get("num_local_experts", 8), top_k=hf.get("num_experts_per_tok", 2),
-                             every_n=1, normalize_gates=True, dispatch="dropless",
+        fields["moe"] = dict(num_experts=hf.get("num_local_experts", 8),
+                             top_k=hf.get("num_experts_per_tok", 2), every_n=1, normalize_gates=True,
+                             dispatch="dropless",
                              load_balance_coef=float(hf.get("router_aux_loss_coef", 0.001)), z_loss_coef=0.0)
     return fields
 
