@@ -230,3 +230,17 @@ def test_sliding_window_and_cli_message(tmp_path, capsys):
     assert cli_main(["convert", "from-hf", str(d), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "sliding_window = 4096 is not supported" in err and "Traceback" not in err
+
+
+def test_tied_embeddings_and_index_that_leaves_the_dir(imported, tmp_path):
+    m, params = imported["llama_gqa"]
+    tied = m.model_copy(update={"tie_embeddings": True})
+    write_hf({k: v for k, v in params.items() if k != "head"}, tied, tmp_path / "tied")
+    assert "lm_head.weight" not in st().load_file(str(tmp_path / "tied" / "model.safetensors"))
+    again = load_params(tmp_path / "tied", model_config(read_hf_config(tmp_path / "tied")))
+    assert "head" not in again and np.array_equal(again["embed"], params["embed"])
+    d = tmp_path / "tied"
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}))
+    with pytest.raises(HFError, match="leaves the checkpoint directory"):
+        load_params(d, tied)
