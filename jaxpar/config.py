@@ -374,11 +374,13 @@ class PipelineConfig(Strict):
 
 
 class DataConfig(Strict):
-    """`text`: byte-level tokens of text files (default: the Python standard library's sources);
-    `bin`: a memory-mapped token file; `synthetic`: a learnable random source."""
+    """`text`: tokens of text files (default: the Python standard library's sources), bytes or,
+    with `tokenizer` (a tokenizer.json), subwords; `bin`: a memory-mapped token file (`jaxpar data
+    prepare` writes one); `synthetic`: a learnable random source."""
 
     source: Literal["text", "bin", "synthetic"] = "text"
     paths: list[str] = Field(default_factory=list)
+    tokenizer: str | None = None
     bin_path: str | None = None
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
 
