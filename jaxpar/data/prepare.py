@@ -33,8 +33,10 @@ FORMAT = "jaxpar-tokens/1"
 _worker_tok: Tokenizer | None = None
 
 
-def _init_worker(path: str) -> None:
+def _init_worker(path: str, one_thread: bool = False) -> None:
     global _worker_tok
+    if one_thread:  # a worker process per core: the tokenizer's own thread pool would oversubscribe
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tok = Tokenizer(path)
 
 
@@ -99,7 +101,7 @@ def _ordered(fn, items: Iterator, workers: int, tokenizer: str) -> Iterator:
         yield from map(fn, items)
         return
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_init_worker,
-                             initargs=(tokenizer,)) as pool:
+                             initargs=(tokenizer, True)) as pool:
         pending: collections.deque = collections.deque()
         for item in items:
             pending.append(pool.submit(fn, item))
