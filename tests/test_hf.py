@@ -136,6 +136,15 @@ def test_mixtral_round_trip(imported, tmp_path):
     assert sorted(mine) == sorted(ref) and all(mine[k].tobytes() == ref[k].tobytes() for k in ref)
 
 
+def test_bfloat16_export(imported, tmp_path):
+    m, params = imported["llama_gqa"]
+    write_hf(params, m, tmp_path / "bf16", dtype="bfloat16")
+    assert st().load_file(str(tmp_path / "bf16" / "model.safetensors"))["lm_head.weight"].dtype == jnp.bfloat16
+    back = leaves(load_params(tmp_path / "bf16", m))
+    for k, v in leaves(params).items():
+        np.testing.assert_array_equal(back[k], v.astype(jnp.bfloat16).astype(np.float32), err_msg=k)
+
+
 def train_cfg(init_from: str):
     return make_config({}, [
         f"train.init_from={init_from}", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
@@ -244,3 +253,12 @@ def test_tied_embeddings_and_index_that_leaves_the_dir(imported, tmp_path):
         {"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}))
     with pytest.raises(HFError, match="leaves the checkpoint directory"):
         load_params(d, tied)
+
+
+def test_bench_convert_smoke(devices):
+    from jaxpar.bench import load
+    mod, cfg = load("convert", None, ["model.vocab_size=512", "model.dim=64", "model.n_layers=1",
+                                      "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128"])
+    r = mod.run(cfg, repeats=1)
+    assert r["import"]["mb_per_s"] > 0 and r["export"]["mb_per_s"] > 0 and r["zero_stage"] == 3
+    assert "import" in mod.format_result(r)

@@ -68,18 +68,18 @@ def _rope(hf: dict, where: str) -> tuple[float | None, dict | None]:
 
 
 def _unsupported(hf: dict, kind: str, where: str) -> None:
+    """HFError for a config field whose value jaxpar's model cannot represent. (pretraining_tp
+    is how transformers slices its matmuls, not a different model: ignored.)"""
     checks = [("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")]
     if kind == "mixtral":
-        checks.append(("router_jitter_noise", 0.0))
+        checks.append(("router_jitter_noise", 0))  # training-time noise on the router logits
     for key, ok in checks:
-        if key in hf and hf[key] != ok and not (key == "router_jitter_noise" and not hf[key]):
+        if hf.get(key) not in (None, ok):
             raise HFError(f"{where}: {key} = {hf[key]!r} is not supported (jaxpar's model has "
                           f"{key} = {ok!r})")
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
         raise HFError(f"{where}: sliding_window = {hf['sliding_window']!r} is not supported "
                       f"(jaxpar's attention is full causal); null is")
-    if hf.get("pretraining_tp", 1) != 1:
-        pass  # a way transformers slices the matmuls, not a different model
 
 
 def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
