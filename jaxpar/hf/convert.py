@@ -27,8 +27,11 @@ def from_hf(hf_dir: str | Path, out_ckpt: str | Path, log: Callable[[str], None]
     if any(ok for _, _, ok in list_steps(out)):
         raise CheckpointError(f"{out} already holds checkpoints; convert into a new directory")
     n = jax.device_count()
+    # ZeRO-3 over every device: each holds 1/n of the params (and of the fresh optimizer state)
     cfg = make_config({}, [f"train.init_from=hf:{Path(hf_dir).absolute()}", "data.source=synthetic",
-                           f"train.global_batch={n}", "train.progress=false", f"checkpoint.dir={out}"])
+                           "mesh.data=1", "mesh.fsdp=-1", "sharding.zero_stage=3",
+                           "sharding.replicated_tolerance=1", f"train.global_batch={n}",
+                           "train.progress=false", f"checkpoint.dir={out}"])
     trainer = Trainer(cfg, log=lambda s: None)
     state = trainer.init_state()
     ckpt = Checkpointer(out, async_save=False, keep_last=1, log=log)
