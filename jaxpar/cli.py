@@ -1,11 +1,13 @@
 """`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`, `jaxpar plot RUN_DIR...`,
-`jaxpar profile [RUN_DIR]`, `jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
+`jaxpar profile [RUN_DIR]`, `jaxpar convert from-hf|to-hf SRC DST`, `jaxpar data prepare|train-tokenizer`,
+`jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
 
 User mistakes (bad config, bad checkpoint) print one clear message and exit 2, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxpar.config import ConfigError, load_config
@@ -79,6 +81,29 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from jaxpar.hf.convert import from_hf, to_hf
+    if args.direction == "from-hf":
+        from_hf(args.src, args.dst)
+    else:
+        to_hf(args.src, args.dst, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    if args.action == "train-tokenizer":
+        from jaxpar.data.tokenizer import train_bpe
+        out = train_bpe(args.files, args.vocab_size, args.output)
+        print(f"{out}: byte-level BPE, vocab {args.vocab_size}, trained on {len(args.files)} files")
+        return 0
+    from jaxpar.data.prepare import prepare
+    r = prepare(args.tokenizer, args.output, args.files, workers=args.workers, text_field=args.text_field)
+    print(f"{args.output}: {r['tokens']:,} {r['dtype']} tokens, {r['documents']:,} documents "
+          f"({r['tokens_per_s']:,.0f} tokens/s, {r['workers']} workers); index {args.output}.idx; "
+          f"train with data.source=bin data.bin_path={args.output} data.bin_dtype={r['dtype']}")
+    return 0
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     from jaxpar.checkpoint import inspect
     print(inspect(args.dir, verify_data=args.verify))
@@ -113,6 +138,30 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify", action="store_true",
                      help="also load every complete step and compare its checksums")
     ins.set_defaults(fn=_checkpoint)
+    cv = sub.add_parser("convert", help="Hugging Face checkpoints: jaxpar convert from-hf HF_DIR OUT_CKPT "
+                        "| to-hf RUN_OR_CKPT OUT_DIR")
+    cv.add_argument("direction", choices=("from-hf", "to-hf"))
+    cv.add_argument("src", help="from-hf: a Hugging Face model dir; to-hf: a run dir, checkpoints dir "
+                    "or step dir")
+    cv.add_argument("dst", help="from-hf: a new checkpoints dir; to-hf: a new Hugging Face model dir")
+    cv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="to-hf: the safetensors dtype")
+    cv.add_argument("--max-shard-gb", type=float, default=5.0, help="to-hf: split files above this size")
+    cv.set_defaults(fn=_convert)
+    da = sub.add_parser("data", help="jaxpar data prepare | train-tokenizer")
+    da_sub = da.add_subparsers(dest="action", required=True)
+    dp = da_sub.add_parser("prepare", help="tokenize files (text, .jsonl, .parquet) into a .bin + index")
+    dp.add_argument("files", nargs="+")
+    dp.add_argument("--tokenizer", required=True, help="a tokenizer.json")
+    dp.add_argument("--output", required=True, help="the .bin to write (and OUTPUT.idx, OUTPUT.json)")
+    dp.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    dp.add_argument("--text-field", default="text", help="the JSONL field / parquet column")
+    dp.set_defaults(fn=_data)
+    dt = da_sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json on local files")
+    dt.add_argument("files", nargs="+")
+    dt.add_argument("--vocab-size", type=int, default=8192)
+    dt.add_argument("--output", required=True, help="the tokenizer.json to write")
+    dt.set_defaults(fn=_data)
     la = sub.add_parser("launch", help="N local processes x K CPU devices on jax.distributed "
                         "(jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG ...)")
     la.add_argument("--nprocs", type=int, required=True, help="processes to start")

@@ -60,8 +60,28 @@ class MoEConfig(Strict):
         return self
 
 
+class RopeScalingConfig(Strict):
+    """Llama 3.1's RoPE frequency scaling (`type: llama3`): wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are stretched by `factor`, those shorter
+    than original_max_position_embeddings / high_freq_factor kept, the band between blended."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position_embeddings: int = Field(8192, gt=0)
+
+    @model_validator(mode="after")
+    def _band(self) -> "RopeScalingConfig":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor={self.high_freq_factor} must be above "
+                             f"low_freq_factor={self.low_freq_factor}")
+        return self
+
+
 class ModelConfig(Strict):
-    """A Llama-style decoder. `preset` fills the fields; fields given beside it win."""
+    """A Llama-style decoder. `preset` fills the fields; fields given beside it win.
+    `rope_scaling` (null: plain RoPE) is Llama 3.1's frequency scaling."""
 
     preset: str | None = None
     vocab_size: int = Field(256, gt=0)
@@ -72,6 +92,7 @@ class ModelConfig(Strict):
     head_dim: int | None = Field(None, gt=0)
     ffn_dim: int = Field(384, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScalingConfig | None = None
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
@@ -314,10 +335,21 @@ class TrainConfig(Strict):
     log_every: int = Field(1, gt=0)
     progress: bool = True
     resume: str = Field("auto", description="auto (latest good checkpoint of the run), never, or a path")
+    # Start a fresh run from other weights (a resumed run keeps its own): `hf:DIR` (a Hugging Face
+    # model dir) or a jaxpar checkpoint path; either fills model.* (jaxpar/hf/init.py).
+    init_from: str | None = None
     skip_nonfinite: bool = Field(True, description="skip updates whose loss or grad norm is not finite")
     max_nonfinite: int = Field(5, ge=1, description="stop after this many non-finite steps in a row")
     nonfinite_rollback: bool = Field(False, description="instead of stopping: restore the last "
                                      "checkpoint and skip the batch that started the run of bad steps")
+
+    @field_validator("init_from")
+    @classmethod
+    def _init_from(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or v.strip() == "hf:"):
+            raise ValueError("train.init_from must be hf:DIR (a Hugging Face model dir) or a jaxpar "
+                             "checkpoint path, or null")
+        return v
 
 
 class PipelineConfig(Strict):
@@ -342,11 +374,13 @@ class PipelineConfig(Strict):
 
 
 class DataConfig(Strict):
-    """`text`: byte-level tokens of text files (default: the Python standard library's sources);
-    `bin`: a memory-mapped token file; `synthetic`: a learnable random source."""
+    """`text`: tokens of text files (default: the Python standard library's sources), bytes or,
+    with `tokenizer` (a tokenizer.json), subwords; `bin`: a memory-mapped token file (`jaxpar data
+    prepare` writes one); `synthetic`: a learnable random source."""
 
     source: Literal["text", "bin", "synthetic"] = "text"
     paths: list[str] = Field(default_factory=list)
+    tokenizer: str | None = None
     bin_path: str | None = None
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
 

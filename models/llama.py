@@ -38,10 +38,22 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [seq, head_dim // 2]; `scaling`: a config.RopeScalingConfig (or None)."""
     inv = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is not None:
+        inv = llama3_frequencies(inv, scaling)
     ang = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]
     return jnp.cos(ang), jnp.sin(ang)
+
+
+def llama3_frequencies(inv: jax.Array, s) -> jax.Array:
+    """Llama 3.1: low frequencies (long wavelengths) divided by `factor`, high ones kept, and a
+    linear blend in wavelength-ratio between (so a model trained at the original context
+    extends to a longer one)."""
+    ratio = s.original_max_position_embeddings * inv / (2 * math.pi)  # context / wavelength
+    blend = jnp.clip((ratio - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor), 0.0, 1.0)
+    return (1.0 - blend) * inv / s.factor + blend * inv
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -116,7 +128,8 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
-        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta)
+        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta,
+                               cfg.rope_scaling)
         x = scan_layers(self.layers, x, lambda layer, h: layer(h, cos, sin))
         x = rms_norm(x, self.norm[...], cfg.norm_eps)
         w = self.embed[...].T if cfg.tie_embeddings else self.head[...]

@@ -166,7 +166,8 @@ class MoELlama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg, m = self.cfg, self.cfg.moe
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
-        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta)
+        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta,
+                               cfg.rope_scaling)
         acc = {"lb": jnp.zeros(()), "z": jnp.zeros(()), "dropped": jnp.zeros(()),
                "load": jnp.zeros((m.num_experts,))}
         x, acc = scan_layers(self.layers, (x, acc), lambda layer, c: layer(c, cos, sin))

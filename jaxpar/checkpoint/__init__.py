@@ -38,11 +38,12 @@ from jaxpar.checkpoint.layout import adapt_layout, batch_parallel, fit_mesh, lay
 from jaxpar.checkpoint.preemption import Preemption
 from jaxpar.checkpoint.report import inspect
 from jaxpar.checkpoint.resume import ResumePlan, plan_resume, resolve_source, truncate_metrics
-from jaxpar.checkpoint.store import CORE_KEYS, Checkpointer
+from jaxpar.checkpoint.store import CORE_KEYS, Checkpointer, restore_params
 
 __all__ = [
     "CORE_KEYS", "DEFAULT_DIR", "FORMAT", "ITEMS", "CheckpointError", "Checkpointer", "Preemption",
     "ResumePlan", "adapt_layout", "agree", "batch_parallel", "check_complete", "checkpoint_dir", "damage",
     "ensure_writable", "fingerprint", "fit_mesh", "inspect", "layout_meta", "list_steps", "locate",
-    "plan_resume", "read_config", "read_meta", "resolve_source", "truncate_metrics", "verify",
+    "plan_resume", "read_config", "read_meta", "resolve_source", "restore_params", "truncate_metrics",
+    "verify",
 ]

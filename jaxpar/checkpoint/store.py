@@ -191,3 +191,33 @@ def restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
     if not dropped and not extra:
         return abstract_state, []
     return {k: v for k, v in abstract_state.items() if k not in dropped}, dropped + extra
+
+
+def restore_params(step_dir: str | Path, abstract_params: Any) -> Any:
+    """Only the params of one step directory (no optimizer state: any optimizer can start from
+    them), onto `abstract_params`' shapes, dtypes and shardings (ShapeDtypeStructs). Their
+    checksums are verified when the saved dtype is the one asked for."""
+    import orbax.checkpoint as ocp  # heavy (seconds)
+    step_dir = Path(step_dir).absolute()
+    problems = check_complete(step_dir)
+    if problems:
+        raise CheckpointError(f"{step_dir}: incomplete: " + "; ".join(problems))
+    meta = read_meta(step_dir)
+    target = {"params": abstract_params}
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        restored = handler.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True))
+    except Exception as e:  # noqa: BLE001 (orbax/tensorstore errors: one line, the step named)
+        raise CheckpointError(f"{step_dir}: cannot restore its params: {str(e).splitlines()[0]}") from None
+    finally:
+        handler.close()
+    saved = meta.get("arrays", {})
+    now = fingerprint(restored)
+    same = all(saved.get(p, {}).get("dtype") == str(x.dtype)
+               for p, x in zip(leaf_paths(restored), jax.tree.leaves(restored)))
+    bad = [p for p, v in now.items() if same and meta.get("checksums", {}).get(p, v) != v]
+    if bad:
+        raise CheckpointError(f"{step_dir}: checksum mismatch in {', '.join(bad[:3])}")
+    return restored["params"]

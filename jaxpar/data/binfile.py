@@ -5,6 +5,7 @@ the windows it samples.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +69,22 @@ def check_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
 def check_head(tokens: np.ndarray, vocab_size: int, path: str) -> None:
     """Check the first CHECK_TOKENS ids at open time, so a wrong file fails before compiling."""
     check_ids(np.asarray(tokens[:CHECK_TOKENS]), vocab_size, f"data.bin_path={path!r}")
+
+
+def check_meta(path: str, dtype: str, vocab_size: int) -> None:
+    """A .bin written by `jaxpar data prepare` names its dtype and vocabulary in `<path>.json`:
+    a different data.bin_dtype, or a vocabulary above model.vocab_size, is a ConfigError."""
+    meta_path = Path(str(path) + ".json")
+    if not meta_path.is_file():
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{meta_path} is not valid JSON: {e}") from None
+    if meta.get("dtype") not in (None, dtype):
+        raise ConfigError(f"data.bin_dtype={dtype!r} but {path} holds {meta['dtype']} tokens "
+                          f"({meta_path}); set data.bin_dtype={meta['dtype']}")
+    if int(meta.get("vocab_size", 0)) > vocab_size:
+        raise ConfigError(f"data.bin_path={path!r} was tokenized with a vocabulary of "
+                          f"{meta['vocab_size']} ({meta.get('tokenizer')}), above model.vocab_size="
+                          f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}")

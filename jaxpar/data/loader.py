@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import binfile, synthetic, text
+from jaxpar.data import binfile, synthetic, text, tokenizer
 from jaxpar.data.keys import mix64, row_keys  # noqa: F401 (mix64: re-exported)
 
 
@@ -55,6 +55,10 @@ class StreamSource:
 
 def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
     """The token source `cfg` names, validated against the model's vocab_size."""
+    if cfg.source == "text" and cfg.tokenizer:
+        tokens = tokenizer.tokenized_corpus(tuple(cfg.paths), cfg.tokenizer, vocab_size)
+        name = f"data.paths={cfg.paths!r}" if cfg.paths else "the Python stdlib corpus"
+        return StreamSource(tokens, seed, f"{name} (data.tokenizer={cfg.tokenizer!r})")
     if cfg.source == "text":
         if vocab_size < text.VOCAB_SIZE:
             raise ConfigError(
@@ -67,6 +71,7 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
     if cfg.source == "bin":
         if not cfg.bin_path:
             raise ConfigError("data.source='bin' needs data.bin_path (a .bin file of tokens)")
+        binfile.check_meta(cfg.bin_path, cfg.bin_dtype, vocab_size)
         tokens = binfile.open_bin(cfg.bin_path, cfg.bin_dtype)
         binfile.check_head(tokens, vocab_size, cfg.bin_path)
         return StreamSource(tokens, seed, f"data.bin_path={cfg.bin_path!r}", vocab_size)

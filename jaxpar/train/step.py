@@ -64,8 +64,8 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
 
 def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int], dict]:
     """init(seed) -> train state, placed by the plan (each device builds only its shards)."""
-    def init(seed):
-        params = model.init(seed)
+    def init(seed, params=None):  # params: given float32 weights (train.init_from) instead of random
+        params = model.init(seed) if params is None else params
         opt_state = tx.init(params)  # from the float32 init: master weights are exact
         params = jax.tree.map(lambda x: x.astype(param_dtype), params)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}

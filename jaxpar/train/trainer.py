@@ -18,6 +18,7 @@ from jaxpar.checkpoint import (Checkpointer, Preemption, ResumePlan, checkpoint_
 from jaxpar.config import Config, ConfigError
 from jaxpar.data import DataLoader, build_source
 from jaxpar.distributed import barrier, initialize
+from jaxpar.hf.init import init_config, initial_params
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import (compiled_memory, format_banner, generic_flops_per_token, llama_flops_per_token,
                             peak_flops)
@@ -80,7 +81,7 @@ class Trainer:
     callbacks: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        cfg = self.cfg
+        self.cfg = cfg = init_config(self.cfg)  # train.init_from fills model.*
         apply_xla_flags(cfg, log=self.log)  # before JAX starts (scripts too, not only the CLI)
         initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
         self.mesh = build_mesh(cfg.mesh, self.devices)
@@ -138,7 +139,8 @@ class Trainer:
     # ------------------------------------------------------------------ state and compile
 
     def init_state(self) -> dict:
-        return self.init_fn(self.cfg.train.seed)
+        params = initial_params(self.cfg, self.spec.state_shardings["params"])  # None: random init
+        return self.init_fn(self.cfg.train.seed, params)
 
     def abstract_state(self) -> Any:
         return jax.eval_shape(self.init_fn, self.cfg.train.seed)
@@ -382,6 +384,7 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     """What `jaxpar train` does: plan the resume (adapting the layout to the device count), print
     the resolved config, save it, compile, restore, train; save on SIGTERM/SIGINT and return."""
     initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
+    cfg = init_config(cfg)  # train.init_from fills model.* (saved in config.yaml, checked on resume)
     if cfg.checkpoint.enabled:  # a checkpoint dir that cannot be written fails before compiling
         ensure_writable(checkpoint_dir(cfg), cfg)
     plan = plan_resume(cfg) if cfg.checkpoint.enabled else ResumePlan(cfg)

@@ -1,0 +1,72 @@
+"""`jaxpar convert from-hf HF_DIR OUT_CKPT` and `jaxpar convert to-hf RUN_OR_CKPT OUT_DIR`.
+
+from-hf writes a jaxpar checkpoint (step 0: the HF weights, a fresh AdamW state) that
+`train.init_from: OUT_CKPT` (params only) or `train.resume: OUT_CKPT` start from; to-hf writes
+the params of a run's latest (or a named) step as config.json + safetensors.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxpar.checkpoint import Checkpointer, CheckpointError, list_steps, read_config, restore_params
+from jaxpar.config import ModelConfig, make_config
+from jaxpar.hf.hfconfig import HFError
+from jaxpar.hf.init import checkpoint_step_dir
+from jaxpar.hf.writing import write_hf
+from jaxpar.train.model import ModelDef
+from jaxpar.train.trainer import Trainer, llama_model_factory
+
+
+def from_hf(hf_dir: str | Path, out_ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
+    """Convert an HF model dir into a jaxpar checkpoints dir (one step, 0); returns its step dir."""
+    out = Path(out_ckpt).absolute()
+    if any(ok for _, _, ok in list_steps(out)):
+        raise CheckpointError(f"{out} already holds checkpoints; convert into a new directory")
+    n = jax.device_count()
+    # ZeRO-3 over every device: each holds 1/n of the params (and of the fresh optimizer state)
+    cfg = make_config({}, [f"train.init_from=hf:{Path(hf_dir).absolute()}", "data.source=synthetic",
+                           "mesh.data=1", "mesh.fsdp=-1", "sharding.zero_stage=3",
+                           "sharding.replicated_tolerance=1", f"train.global_batch={n}",
+                           "train.progress=false", f"checkpoint.dir={out}"])
+    trainer = Trainer(cfg, log=lambda s: None)
+    state = trainer.init_state()
+    ckpt = Checkpointer(out, async_save=False, keep_last=1, log=log)
+    try:
+        trainer.save(ckpt, 0, state)
+    finally:
+        ckpt.close()
+    m = trainer.cfg.model
+    log(f"{hf_dir} -> {out / '0'}: {trainer.model.n_params:,} params "
+        f"(model: dim {m.dim}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} heads, vocab {m.vocab_size}"
+        + (f", {m.moe.num_experts} experts top-{m.moe.top_k}" if m.moe.num_experts else "") + ")")
+    return out / "0"
+
+
+def load_checkpoint_params(src: str | Path) -> tuple[dict, ModelConfig, Path]:
+    """(float32 params on the first local device, model config, step dir) of a run or checkpoint."""
+    step_dir = checkpoint_step_dir(src, what="checkpoint")
+    try:
+        model = ModelConfig.model_validate(read_config(step_dir).get("model"))
+    except Exception:  # noqa: BLE001 (pydantic)
+        raise CheckpointError(f"{step_dir}: its saved config has no valid model section") from None
+    cfg = make_config({"model": model.model_dump(mode="json")})
+    shapes = ModelDef.from_factory(llama_model_factory(cfg)).shapes
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32, sharding=dev), shapes)
+    return restore_params(step_dir, abstract), model, step_dir
+
+
+def to_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
+          max_shard_bytes: int = 5 * 2**30, log: Callable[[str], None] = print) -> list[Path]:
+    """Write a run's (or checkpoint's) params as an HF model dir; returns the files written."""
+    params, model, step_dir = load_checkpoint_params(src)
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        raise HFError(f"{out} already holds a config.json; export into a new directory")
+    files = write_hf(params, model, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    log(f"{step_dir} -> {out}: " + ", ".join(p.name for p in files))
+    return files
