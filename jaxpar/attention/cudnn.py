@@ -3,7 +3,7 @@ bfloat16 or float16. `check_cudnn` says why it cannot run, as a config error, be
 from __future__ import annotations
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from jaxpar.attention.xla import segment_mask
 from jaxpar.config import ConfigError
@@ -15,7 +15,7 @@ def cudnn_problem(platform: str, dtype) -> str | None:
     """Why cuDNN attention cannot run on `platform` with inputs of `dtype` (None: it can)."""
     if platform != "gpu":
         return f"cuDNN flash attention needs a GPU, and this run's devices are {platform}"
-    name = np.dtype(dtype).name
+    name = jnp.dtype(dtype).name
     if name not in DTYPES:
         return (f"cuDNN flash attention runs in {' or '.join(DTYPES)}, and attention computes in "
                 f"{name} (train.compute_dtype)")
@@ -25,8 +25,9 @@ def cudnn_problem(platform: str, dtype) -> str | None:
 def check_cudnn(platform: str, dtype) -> None:
     problem = cudnn_problem(platform, dtype)
     if problem:
-        raise ConfigError(f"model.attention='cudnn': {problem}; use model.attention=auto (cudnn where it "
-                          f"runs), blockwise or xla, or on a GPU train.compute_dtype=bfloat16")
+        fix = "train.compute_dtype=bfloat16, or " if platform == "gpu" else ""
+        raise ConfigError(f"model.attention='cudnn': {problem}; use {fix}model.attention=auto (cudnn where "
+                          f"it runs), blockwise or xla")
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
