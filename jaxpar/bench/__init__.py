@@ -7,6 +7,7 @@
   moe       expert all-to-all bytes (compiled HLO vs analytic) and step time, capacity vs dropless
   checkpoint  save / restore MB/s of a ~300 MB state; slowdown of steps overlapping an async save
   compression  gradient-reduction bytes per step per compression method (HLO) and loss beside none
+  attention  temp memory per device and time of xla vs blockwise attention at 2K / 8K tokens
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
 benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
@@ -33,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "checkpoint": "jaxpar.bench.checkpoint",
     "compression": "jaxpar.bench.compression",
     "pipeline": "jaxpar.bench.pipeline",
+    "attention": "jaxpar.bench.attention",
 }
 
 
