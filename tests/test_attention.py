@@ -12,6 +12,7 @@ from flax import nnx
 from jaxpar import nn
 from jaxpar.attention import blockwise_attention, check, resolve, xla_attention
 from jaxpar.attention import blockwise as bw
+from jaxpar.bench import load
 from jaxpar.config import ConfigError
 from jaxpar.train.trainer import Trainer
 from models.llama import Llama
@@ -211,11 +212,13 @@ def test_the_model_calls_the_context_attention_hook():
 # --------------------------------------------------------------------------- the model
 
 def test_tiny_llama_blockwise_loss_and_grads_equal_xla(devices):
-    """Two train steps of the tiny llama, data x tensor parallel (heads split over `tensor`):
-    blockwise (tile 12: seq 32 is ragged over it) gives xla's losses and gradients."""
-    layout = ["mesh.data=4", "mesh.tensor=2", "train.steps=2"]
+    """Two train steps of the tiny llama, data x fsdp (ZeRO-3) x tensor (heads split over
+    `tensor`): blockwise (tile 12: seq 32 is ragged over it; inside remat=full, so its forward
+    also runs again in the backward) gives xla's losses and gradients."""
+    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=3", "train.steps=2"]
     ref = run_steps(tiny_config(*layout, "model.attention=xla"), 2, devices)
-    got = run_steps(tiny_config(*layout, "model.attention=blockwise", "model.attention_block=12"), 2, devices)
+    got = run_steps(tiny_config(*layout, "model.attention=blockwise", "model.attention_block=12",
+                                "train.remat=full"), 2, devices)
     for r, g in zip(ref, got):
         np.testing.assert_allclose(g["loss"], r["loss"], rtol=1e-5)
         for x, y in zip(jax.tree.leaves(g["grads"]), jax.tree.leaves(r["grads"])):
@@ -239,3 +242,14 @@ def test_blockwise_temp_memory_is_a_fraction_of_xla_at_2k():
     assert xla >= scores, (xla, scores)  # the reference really materialises the scores
     assert blockwise <= xla / 4, (blockwise, xla)
     assert blockwise < scores / 8, (blockwise, scores)
+
+
+def test_bench_attention_rows_and_table():
+    mod, cfg = load("attention", None, ["model.n_layers=1", "train.compute_dtype=float32"])
+    res = mod.run(cfg, seqs=(64,))
+    assert [(r["kind"], r["impl"]) for r in res["rows"]] == [
+        ("layer", "xla"), ("layer", "blockwise"), ("step", "xla"), ("step", "blockwise")]
+    assert all(r["temp_bytes"] > 0 for r in res["rows"]) and res["rows"][0]["time_s"] > 0
+    assert set(res["ratios"]) == {"layer@64", "step@64"}
+    text = mod.format_result({"benchmark": "attention", **res})
+    assert "blockwise" in text and "ratio" in text

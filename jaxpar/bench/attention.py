@@ -5,7 +5,8 @@ Two kinds of row, for each sequence length in SEQS and implementation in IMPLS:
   - layer: one attention call, forward + backward (jax.vjp), one sequence, with the config's
     heads / kv heads / head_dim and train.compute_dtype; `temp` is the compiled
     memory_analysis().temp_size_in_bytes, `time` the median wall time of TIMED calls after a
-    warm-up, measured only when the call's forward is below TIME_FLOPS (else compile-only);
+    warm-up, measured only when the call's forward is below TIME_FLOPS and its temporaries below
+    TIME_MAX_TEMP (else compile-only);
   - step: the whole train step of the config's model, compile-only (nothing allocated), one
     sequence per device (global_batch = the batch-parallel size); `temp` per device.
 Default layout: fsdp over every device at ZeRO-3 (the issue's setting), synthetic data.
@@ -32,6 +33,7 @@ LAYOUT: list[str] = [*mesh_overrides(fsdp=-1), "sharding.zero_stage=3", "data.so
 SEQS = (2048, 8192)
 IMPLS = ("xla", "blockwise")
 TIME_FLOPS = 5e10  # time a layer call only below this many forward FLOPs (CPU runs are slow)
+TIME_MAX_TEMP = 4 * 2**30  # ... and only when its temporaries fit in this many bytes (host RAM)
 TIMED = 3
 
 
@@ -56,7 +58,7 @@ def measure_layer(cfg: Config, seq: int, impl: str, log: Callable[[str], None]) 
     compiled = jax.jit(fwd_bwd).lower(*args).compile()
     out = {"kind": "layer", "impl": impl, "seq": seq, "time_s": None,
            "temp_bytes": compiled_memory(compiled).get("temp_bytes")}
-    if layer_flops(cfg, seq) <= TIME_FLOPS:
+    if layer_flops(cfg, seq) <= TIME_FLOPS and (out["temp_bytes"] or 0) <= TIME_MAX_TEMP:
         keys = jax.random.split(jax.random.PRNGKey(0), 4)
         xs = [jax.random.normal(kk, a.shape, dtype) for kk, a in zip(keys, args)]
         times = []
@@ -69,9 +71,7 @@ def measure_layer(cfg: Config, seq: int, impl: str, log: Callable[[str], None]) 
     return out
 
 
-def measure_step(cfg: Config, seq: int, impl: str, log: Callable[[str], None]) -> dict:
-    base = Trainer(with_overrides(cfg, ["train.seq_len=8"]), log=lambda s: None)  # for the batch size
-    per_batch = base.plan.batch_size_divisor
+def measure_step(cfg: Config, seq: int, impl: str, per_batch: int, log: Callable[[str], None]) -> dict:
     c = with_overrides(cfg, [f"train.seq_len={seq}", f"train.global_batch={per_batch}", "train.grad_accum=1",
                              f"model.attention={impl}"])
     log(f"attention: step {impl} seq {seq}: compiling")
@@ -86,9 +86,11 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, seqs=SEQS, imp
     for seq in seqs:
         for impl in impls:
             rows.append(measure_layer(cfg, seq, impl, log))
+    # one sequence per device: the batch is the batch-parallel size of the layout
+    per_batch = Trainer(with_overrides(cfg, ["train.seq_len=8"]), log=lambda s: None).plan.batch_size_divisor
     for seq in seqs:
         for impl in impls:
-            rows.append(measure_step(cfg, seq, impl, log))
+            rows.append(measure_step(cfg, seq, impl, per_batch, log))
     m = cfg.model
     return {"jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(),
             "attention_block": m.attention_block, "heads": m.n_heads, "kv_heads": m.n_kv_heads,
