@@ -16,6 +16,7 @@ from jaxpar.bench import load
 from jaxpar.config import ConfigError
 from jaxpar.train.trainer import Trainer
 from models.llama import Llama
+from models.moe import MoELlama
 from tests.conftest import tiny_config
 from tests.grad_util import run_steps
 
@@ -253,3 +254,21 @@ def test_bench_attention_rows_and_table():
     assert set(res["ratios"]) == {"layer@64", "step@64"}
     text = mod.format_result({"benchmark": "attention", **res})
     assert "blockwise" in text and "ratio" in text
+
+
+@pytest.mark.parametrize("preset", ["tiny", "moe_tiny"])
+def test_models_with_segment_ids_blockwise_equals_xla(preset):
+    """Both models pass segment ids down to attention: logits of packed sequences agree between
+    blockwise and xla, and differ from the unpacked ones."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 32)), jnp.int32)
+    seg = jnp.asarray(np.repeat([[0, 1, 2, 3], [7, 7, 8, 8]], 8, axis=1), jnp.int32)
+
+    def logits(impl, segment_ids):
+        cfg = tiny_config(f"model.preset={preset}", "model.n_layers=2", f"model.attention={impl}",
+                          "model.attention_block=8").model
+        graphdef, state = nnx.split(Llama(cfg, nnx.Rngs(0)) if preset == "tiny" else MoELlama(cfg, nnx.Rngs(0)))
+        return jax.jit(lambda st, t, s: nnx.merge(graphdef, st)(t, s))(state, tokens, segment_ids)
+
+    ref = logits("xla", seg)
+    assert_close(logits("blockwise", seg), ref)
+    assert np.max(np.abs(np.asarray(logits("xla", None)) - np.asarray(ref))) > 1e-3
