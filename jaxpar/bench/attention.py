@@ -20,7 +20,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar.attention import attention
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
