@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from jaxpar.registry import COMPRESSORS, PRESETS
 
 MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "expert")
+# model.attention (jaxpar/attention: one module per implementation; auto picks one per run)
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn")
 
 
 class ConfigError(ValueError):
@@ -81,7 +83,12 @@ class RopeScalingConfig(Strict):
 
 class ModelConfig(Strict):
     """A Llama-style decoder. `preset` fills the fields; fields given beside it win.
-    `rope_scaling` (null: plain RoPE) is Llama 3.1's frequency scaling."""
+    `rope_scaling` (null: plain RoPE) is Llama 3.1's frequency scaling.
+
+    `attention` (jaxpar/attention): `xla` materialises the [batch, heads, seq, seq] scores;
+    `blockwise` holds one [attention_block, attention_block] tile per head at a time (any
+    backend); `cudnn` is cuDNN flash attention (GPU, bfloat16/float16); `auto` takes cudnn where
+    it runs, else blockwise from `attention_threshold` tokens on, else xla."""
 
     preset: str | None = None
     vocab_size: int = Field(256, gt=0)
@@ -97,6 +104,9 @@ class ModelConfig(Strict):
     tie_embeddings: bool = False
     init_std: float = Field(0.02, gt=0)
     moe: MoEConfig = Field(default_factory=MoEConfig)
+    attention: Literal[ATTENTION_IMPLEMENTATIONS] = "auto"
+    attention_block: int = Field(512, gt=0, description="query/key tile of blockwise attention")
+    attention_threshold: int = Field(2048, gt=0, description="auto: blockwise from this seq_len on")
 
     @model_validator(mode="before")
     @classmethod

@@ -4,6 +4,8 @@
 - `constrain(x, axes)`: an activation sharding hint by logical names.
 - `experts(x, idx, gates, ffn, ragged_ffn, ...)`: mixture-of-experts dispatch -> expert MLPs ->
   combine; a plain local computation, or an all_to_all over the expert devices in a step.
+- `attention(q, k, v, segment_ids, implementation=...)`: causal (GQA) attention by one of
+  jaxpar/attention's implementations, or by a strategy's `Context.attention` (context parallel).
 - `sow(name, value, loss_weight=None)`: report an auxiliary value (router losses, expert
   load); the train step adds `loss_weight * value` to the loss and logs the value.
 - `scan_layers(stack, x, fn)`: run a stack of layers (params with a leading `layers` dim) with
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar import attention as attention_ops
 from jaxpar.sharding import vary_together
 
 AxisNames = tuple[str | None, ...]
@@ -36,6 +39,9 @@ class Context:
     never_save: tuple[str, ...] = ()  # checkpoint names the backward must recompute (ZeRO-3 gathers)
     # Mixture-of-experts dispatch/combine (jaxpar/parallel/expert.py); None: the default one.
     experts: Callable[..., Any] | None = None
+    # Attention (q, k, v, segment_ids, **options) -> out; None: jaxpar.attention.attention on this
+    # device. A context-parallel strategy puts its ring / all-to-all attention here.
+    attention: Callable[..., jax.Array] | None = None
     # When set, scan_layers(stack, carry, fn) returns layers_hook(stack, carry, fn): the pipeline
     # uses it to cut a model into embedding / layer stages / head (see jaxpar/parallel/pipeline).
     layers_hook: Callable[[nnx.Module, Any, Callable], Any] | None = None
@@ -96,6 +102,15 @@ def experts(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable
         raise RuntimeError("jaxpar.nn.experts: no MoE dispatch; import jaxpar.parallel.expert (the local "
                            "one) or pass one in nn.Context(experts=...)")
     return fn(x, expert_idx, gates, ffn, ragged_ffn, **kw)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
+              implementation: str = "auto", block: int = 512, threshold: int = 2048) -> jax.Array:
+    """Causal attention, q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads,
+    head_dim]; `segment_ids` [batch, seq]: no attention across a segment boundary. The options are
+    model.attention, attention_block and attention_threshold (see jaxpar/attention)."""
+    fn = _CTX.get().attention or attention_ops.attention
+    return fn(q, k, v, segment_ids, implementation=implementation, block=block, threshold=threshold)
 
 
 _AUX: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxpar_aux", default=None)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar import nn
 from jaxpar.nn import constrain, param, scan_layers
 from jaxpar.registry import PRESETS as PRESET_REGISTRY
 
@@ -70,6 +71,9 @@ def init_attention(layer: nnx.Module, cfg, num_layers: int, rngs: nnx.Rngs) -> t
     hd = cfg.head_dim or D // H
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
     layer.eps = cfg.norm_eps
+    # model.attention and its tile / threshold (jaxpar/attention), read by Block.attention
+    layer.attn_impl, layer.attn_block = cfg.attention, cfg.attention_block
+    layer.attn_threshold = cfg.attention_threshold
     layer.attn_norm = param(rngs, (L, D), ("layers", "norm"), ones=True)
     layer.wq = param(rngs, (L, D, H, hd), ("layers", "embed", "heads", "head_dim"), std=std)
     layer.wk = param(rngs, (L, D, K, hd), ("layers", "embed", "kv_heads", "head_dim"), std=std)
@@ -89,14 +93,16 @@ class Block(nnx.Module):
         self.w_up = param(rngs, (L, D, F), ("layers", "embed", "mlp"), std=std)
         self.w_down = param(rngs, (L, F, D), ("layers", "mlp", "embed"), std=out_std)
 
-    def attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                  segment_ids: jax.Array | None = None) -> jax.Array:
         q = jnp.einsum("bsd,dhk->bshk", h, self.wq[...])
         k = jnp.einsum("bsd,dhk->bshk", h, self.wk[...])
         v = jnp.einsum("bsd,dhk->bshk", h, self.wv[...])
         q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        o = nn.attention(q, k, v, segment_ids, implementation=self.attn_impl, block=self.attn_block,
+                         threshold=self.attn_threshold)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
         return jnp.einsum("bshk,hkd->bsd", o, self.wo[...])
 
@@ -106,15 +112,17 @@ class Block(nnx.Module):
         a = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
         return jnp.einsum("bsf,fd->bsd", a, self.w_down[...])
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        x = x + self.attention(rms_norm(x, self.attn_norm[...], self.eps), cos, sin)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        x = x + self.attention(rms_norm(x, self.attn_norm[...], self.eps), cos, sin, segment_ids)
         x = constrain(x, RESIDUAL)
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
         return constrain(x, RESIDUAL)
 
 
 class Llama(nnx.Module):
-    """tokens [batch, seq] int -> logits [batch, seq, vocab]."""
+    """tokens [batch, seq] int -> logits [batch, seq, vocab]; optional segment_ids [batch, seq]
+    (packed documents: attention stays inside a segment)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -125,12 +133,12 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (D, V), ("embed", "vocab"), std=cfg.init_std)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta,
                                cfg.rope_scaling)
-        x = scan_layers(self.layers, x, lambda layer, h: layer(h, cos, sin))
+        x = scan_layers(self.layers, x, lambda layer, h: layer(h, cos, sin, segment_ids))
         x = rms_norm(x, self.norm[...], cfg.norm_eps)
         w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         return constrain(jnp.einsum("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))

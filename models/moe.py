@@ -127,8 +127,9 @@ class MoEBlock(nnx.Module):
 
     attention = Block.attention
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, dict]:
-        x = x + self.attention(rms_norm(x, self.attn_norm[...], self.eps), cos, sin)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        x = x + self.attention(rms_norm(x, self.attn_norm[...], self.eps), cos, sin, segment_ids)
         x = constrain(x, RESIDUAL)
         y, aux = self.moe(rms_norm(x, self.mlp_norm[...], self.eps))
         return constrain(x + y, RESIDUAL), aux
@@ -143,11 +144,11 @@ class Group(nnx.Module):
             setattr(self, f"dense{i}", Block(cfg, num_groups, rngs))
         self.moe_layer = MoEBlock(cfg, num_groups, rngs)
 
-    def __call__(self, carry, cos, sin):
+    def __call__(self, carry, cos, sin, segment_ids=None):
         x, acc = carry
         for i in range(self.n_dense):
-            x = getattr(self, f"dense{i}")(x, cos, sin)
-        x, aux = self.moe_layer(x, cos, sin)
+            x = getattr(self, f"dense{i}")(x, cos, sin, segment_ids)
+        x, aux = self.moe_layer(x, cos, sin, segment_ids)
         return x, jax.tree.map(jnp.add, acc, aux)
 
 
@@ -163,14 +164,14 @@ class MoELlama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (D, V), ("embed", "vocab"), std=cfg.init_std)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg, m = self.cfg, self.cfg.moe
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
         cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta,
                                cfg.rope_scaling)
         acc = {"lb": jnp.zeros(()), "z": jnp.zeros(()), "dropped": jnp.zeros(()),
                "load": jnp.zeros((m.num_experts,))}
-        x, acc = scan_layers(self.layers, (x, acc), lambda layer, c: layer(c, cos, sin))
+        x, acc = scan_layers(self.layers, (x, acc), lambda layer, c: layer(c, cos, sin, segment_ids))
         n_moe = cfg.n_layers // m.every_n
         acc = {k: v / n_moe for k, v in acc.items()}
         nn.sow("moe/load_balance_loss", acc["lb"], loss_weight=m.load_balance_coef)

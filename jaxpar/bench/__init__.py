@@ -8,6 +8,7 @@
   checkpoint  save / restore MB/s of a ~300 MB state; slowdown of steps overlapping an async save
   compression  gradient-reduction bytes per step per compression method (HLO) and loss beside none
   convert   Hugging Face import / export MB/s of a ~300 MB checkpoint (safetensors <-> sharded params)
+  attention  temp memory per device and time of xla vs blockwise attention at 2K / 8K tokens
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
 benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
@@ -35,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "compression": "jaxpar.bench.compression",
     "pipeline": "jaxpar.bench.pipeline",
     "convert": "jaxpar.bench.convert",
+    "attention": "jaxpar.bench.attention",
 }
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.attention import check as check_attention
 from jaxpar.checkpoint import (Checkpointer, Preemption, ResumePlan, checkpoint_dir, ensure_writable,
                                layout_meta, plan_resume)
 from jaxpar.config import Config, ConfigError
@@ -53,6 +54,7 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
                 )
     if check_model:
         check_experts(m, shape)
+        check_attention(m.attention, plan.mesh.devices.flat[0].platform, t.compute_dtype)
     if shape.get("pipeline", 1) > 1:
         check_pipeline_layout(cfg, plan, check_model)
     dp = plan.batch_size_divisor
