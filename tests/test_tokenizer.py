@@ -114,7 +114,7 @@ def test_jsonl_input_and_bad_inputs(prepared, tmp_path, capsys):
 
 
 def test_parquet_input(prepared, tmp_path):
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa  # in the test extra: the parquet path is tested, never skipped
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"text": ["a parquet row", "another"]}), tmp_path / "p.parquet")
     assert prepare(prepared[0], tmp_path / "p.bin", [tmp_path / "p.parquet"], progress=False)["documents"] == 2
