@@ -125,7 +125,8 @@ class GradientReducer(GradientSync):
         for rest, scattered in sorted(set(zip(rests, [d is not None for d in self.zero1]))):
             if not rest:
                 continue
-            leaves = [i for i, r in enumerate(rests) if r == rest and (self.zero1[i] is not None) == scattered]
+            leaves = [i for i, r in enumerate(rests)
+                      if r == rest and (self.zero1[i] is not None) == scattered]
             self.buckets.append(self._bucket(rest, leaves, scattered))
 
     def _zero1_dim(self, entries, opt: P, local: tuple[int, ...]) -> int | None:
@@ -330,7 +331,8 @@ class GradientReducer(GradientSync):
     def _pack_scattered(self, b: Bucket, leaves):
         """The bucket of a ZeRO-1 bucket's leaves in the layout of `_scattered_layout`."""
         f = self.plan.mesh.shape[ZERO_AXIS]
-        rows = [jnp.moveaxis(leaves[i], self.zero1[i], 0).reshape(f, -1).astype(jnp.float32) for i in b.leaves]
+        rows = [jnp.moveaxis(leaves[i], self.zero1[i], 0).reshape(f, -1).astype(jnp.float32)
+                for i in b.leaves]
         shards = jnp.concatenate(rows, axis=1)  # row j: shard j of every leaf
         shards = jnp.pad(shards, ((0, 0), (0, b.padded // f - shards.shape[1])))
         others = [s for j, s in enumerate(b.levels) if j != b.fsdp_level]
