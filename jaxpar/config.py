@@ -386,6 +386,7 @@ class DataConfig(Strict):
     # The held-out split that eval.* evaluates on: `eval_fraction` of the documents (text: files;
     # bin: the documents of its .idx), chosen by a hash of each document's content and left out of
     # the training stream; or `eval_paths` (text: files or dirs; bin: one .bin), trained on never.
+    # Synthetic data has no documents: any eval_fraction evaluates on rows training never draws.
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     eval_paths: list[str] = Field(default_factory=list)
 
@@ -396,9 +397,9 @@ class DataConfig(Strict):
         if self.eval_fraction and self.eval_paths:
             raise ValueError(f"data.eval_fraction={self.eval_fraction} and data.eval_paths are both set; "
                              "give one held-out split (a fraction of the documents, or files)")
-        if self.source == "synthetic" and (self.eval_fraction or self.eval_paths):
-            raise ValueError("data.source 'synthetic' has no documents to hold out: data.eval_fraction "
-                             "and data.eval_paths need data.source text or bin")
+        if self.source == "synthetic" and self.eval_paths:
+            raise ValueError("data.source 'synthetic' reads no files: data.eval_paths needs data.source "
+                             "text or bin (synthetic data evaluates with any data.eval_fraction > 0)")
         if self.source == "bin" and len(self.eval_paths) > 1:
             raise ValueError(f"data.eval_paths={self.eval_paths!r}: with data.source 'bin' give one "
                              ".bin file of held-out tokens")

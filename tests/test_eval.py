@@ -11,6 +11,7 @@ from conftest import tiny_config
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data import build_source, write_bin
 from jaxpar.data.split import Spans, bin_split
+from jaxpar.train.callbacks import Callback
 from jaxpar.train.trainer import Trainer
 
 QUIET = lambda s: None
@@ -132,8 +133,13 @@ def test_bin_split_by_document_index(tmp_path):
 def test_eval_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="eval.every=5 needs a held-out split"):
         tiny_config("eval.every=5")
-    with pytest.raises(ConfigError, match="synthetic' has no documents"):
-        tiny_config("data.eval_fraction=0.1")
+    with pytest.raises(ConfigError, match="synthetic' reads no files"):
+        tiny_config("data.eval_paths=[x.txt]")
+    # synthetic data evaluates on rows at steps training never reaches
+    cfg = tiny_config("data.eval_fraction=0.1", "eval.every=1").data
+    train, held = build_source(cfg, 256, 0), build_source(cfg, 256, 0, "eval")
+    assert not np.array_equal(train.rows(0, np.arange(4), 32), held.rows(0, np.arange(4), 32))
+    np.testing.assert_array_equal(held.rows(3, np.arange(4), 32), train.rows((1 << 48) + 3, np.arange(4), 32))
     make_corpus(tmp_path / "c", n=3)
     cfg = DataConfig(source="text", paths=[str(tmp_path / "c")], eval_fraction=1e-9)
     with pytest.raises(ConfigError, match=r"eval_fraction=1e-09 leaves the eval split .* empty"):
@@ -145,8 +151,13 @@ def test_fit_logs_eval_metrics(tmp_path, devices):
     make_corpus(corpus)
     cfg = text_cfg(corpus, "data.eval_fraction=0.3", "eval.every=2", "eval.batches=1", "train.steps=3",
                    "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "checkpoint.enabled=false")
-    lines = []
-    trainer = Trainer(cfg, devices=devices, log=lines.append)
+    lines, seen = [], []
+
+    class Seen(Callback):  # what Prometheus and the other callbacks receive
+        def on_log(self, trainer, record):
+            seen.append(record)
+
+    trainer = Trainer(cfg, devices=devices, log=lines.append, callbacks=[Seen()])
     trainer.fit(out_dir=tmp_path / "run")
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r for r in recs if "eval_loss" in r}
@@ -154,6 +165,9 @@ def test_fit_logs_eval_metrics(tmp_path, devices):
     for r in evals.values():
         assert abs(r["eval_ppl"] - math.exp(r["eval_loss"])) < 1e-6 * r["eval_ppl"]
     assert any(line.startswith("step 2: eval_loss") for line in lines)
+    assert [r["eval_loss"] for r in seen if "eval_loss" in r] == [evals[2]["eval_loss"], evals[3]["eval_loss"]]
+    from jaxpar.observe.prometheus import _RECORD_GAUGES
+    assert {"eval_loss", "eval_ppl"} <= set(_RECORD_GAUGES)
     pytest.importorskip("matplotlib")
     from jaxpar.observe.plots import plot_runs
     written = plot_runs([tmp_path / "run"])

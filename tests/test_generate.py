@@ -89,3 +89,23 @@ def test_generate_cli_reads_a_sharded_checkpoint(tmp_path, devices, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["generate", str(tmp_path / "empty"), "--prompt", "x"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_generate_uses_the_runs_tokenizer(tmp_path):
+    from jaxpar.data.tokenizer import train_bpe
+    from jaxpar.generate import codec_for
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 50)
+    tok = train_bpe([corpus], 300, tmp_path / "tok.json")
+    codec = codec_for(tiny_config("model.vocab_size=384", f"data.tokenizer={tok}"))
+    ids = codec.encode("def add(x, y):")
+    assert codec.name == str(tok) and codec.eos_id == 0 and len(ids) < len("def add(x, y):")
+    assert codec.decode(ids) == "def add(x, y):"
+    # a .bin prepared with it names it in its .json
+    (tmp_path / "d.bin").write_bytes(b"\0\0")
+    (tmp_path / "d.bin.json").write_text(f'{{"tokenizer": "{tok}"}}')
+    cfg = tiny_config("model.vocab_size=384", "data.source=bin", f"data.bin_path={tmp_path / 'd.bin'}")
+    assert codec_for(cfg).name == str(tok)
+    assert codec_for(tiny_config()).name == "bytes"
+    with pytest.raises(ConfigError, match=r"has vocab_size \d+, above model.vocab_size=256"):
+        codec_for(tiny_config(f"data.tokenizer={tok}"))

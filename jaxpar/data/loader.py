@@ -53,6 +53,18 @@ class StreamSource:
         return out.astype(np.int32)
 
 
+@dataclass(frozen=True)
+class HeldOutSteps:
+    """A stateless source's rows at steps no training run reaches: the held-out rows of a source
+    without documents (synthetic)."""
+
+    source: TokenSource
+    offset: int = 1 << 48
+
+    def rows(self, step: int, row_indices: np.ndarray, seq_len: int) -> np.ndarray:
+        return self.source.rows(self.offset + step, row_indices, seq_len)
+
+
 def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "train") -> TokenSource:
     """The token source `cfg` names, validated against the model's vocab_size. `split`: "train"
     (without the held-out documents, when data.eval_fraction / data.eval_paths is set) or "eval"
@@ -98,7 +110,8 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "trai
             name += f" ({split} split, data.eval_fraction={frac})"
         return StreamSource(tokens, seed, name, vocab_size)
     if cfg.source == "synthetic":
-        return synthetic.SyntheticSource(vocab_size, seed)
+        source = synthetic.SyntheticSource(vocab_size, seed)
+        return HeldOutSteps(source) if evaluating else source
     raise ConfigError(f"data.source={cfg.source!r} is not valid; valid: text, bin, synthetic")
 
 

@@ -81,10 +81,12 @@ def corpus_files(paths: Sequence[str]) -> list[Path]:
     return files
 
 
-def corpus_documents(paths: Sequence[str], max_bytes: int | None = None,
-                     exclude: Sequence[str] = ()) -> list[tuple[Path, bytes]]:
+@functools.lru_cache(maxsize=2)
+def corpus_documents(paths: tuple[str, ...], max_bytes: int | None = None,
+                     exclude: tuple[str, ...] = ()) -> tuple[tuple[Path, bytes], ...]:
     """(file, its bytes) for the corpus of `paths`, files in `exclude` (paths or dirs, expanded
-    the same way: data.eval_paths) left out, stopping once `max_bytes` are read."""
+    the same way: data.eval_paths) left out, stopping once `max_bytes` are read. Cached per
+    process (the train and eval splits of one corpus read its files once)."""
     skip = {f.resolve() for f in corpus_files(exclude)} if exclude else set()
     docs, total = [], 0
     for f in corpus_files(paths):
@@ -94,7 +96,7 @@ def corpus_documents(paths: Sequence[str], max_bytes: int | None = None,
         total += len(docs[-1][1]) + len(SEPARATOR)
         if max_bytes is not None and total >= max_bytes:
             break
-    return docs
+    return tuple(docs)
 
 
 @functools.lru_cache(maxsize=4)
