@@ -63,6 +63,23 @@ def test_eval_loss_same_on_one_device_and_2x2x2(tmp_path, devices):
     assert not np.array_equal(np.asarray(one.evaluator.loader.batch(0)), np.asarray(one.loader.batch(0)))
 
 
+@pytest.mark.parametrize("layout", [("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"),
+                                    ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
+                                     "sharding.replicated_tolerance=1.0")], ids=["moe-expert", "pipeline"])
+def test_eval_loss_other_layouts(tmp_path, devices, layout):
+    """Expert parallel (the all_to_all dispatch) and a pipeline mesh (its axis left to the compiler)."""
+    corpus = tmp_path / "corpus"
+    make_corpus(corpus)
+    common = ("data.eval_fraction=0.3", "eval.every=1", "eval.batches=1")
+    if layout[1] == "mesh.expert=2":
+        common += ("model.preset=moe_tiny",)
+    one = Trainer(text_cfg(corpus, *common, "mesh.data=1"), devices=devices[:1], log=QUIET)
+    many = Trainer(text_cfg(corpus, *common, *layout), devices=devices, log=QUIET)
+    got1 = one.evaluator(one.init_state()["params"])["eval_loss"]
+    got8 = many.evaluator(many.init_state()["params"])["eval_loss"]
+    assert abs(got1 - got8) < 1e-5, (got1, got8)
+
+
 def _stream(cfg: DataConfig, split: str) -> bytes:
     return np.asarray(build_source(cfg, 256, 0, split).tokens).astype(np.uint8).tobytes()
 
