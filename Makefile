@@ -19,6 +19,10 @@ venv: $(BIN)/.installed
 
 train: venv
 	$(BIN)/jaxpar train $(CONFIG)
+ifeq ($(CONFIG),configs/quickstart.yaml)
+	@echo "--- what the model learned: jaxpar generate runs/quickstart --prompt 'def ' ---"
+	@$(BIN)/jaxpar generate runs/quickstart --prompt 'def ' --max-tokens 120 --temperature 0.6
+endif
 
 test: venv
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup

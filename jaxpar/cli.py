@@ -1,5 +1,6 @@
 """`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`, `jaxpar plot RUN_DIR...`,
 `jaxpar profile [RUN_DIR]`, `jaxpar convert from-hf|to-hf SRC DST`, `jaxpar data prepare|train-tokenizer`,
+`jaxpar generate RUN_OR_CKPT --prompt TEXT`,
 `jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
 
 User mistakes (bad config, bad checkpoint) print one clear message and exit 2, never a traceback.
@@ -104,6 +105,13 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from jaxpar.generate import generate_text
+    print(generate_text(args.src, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                        top_p=args.top_p, seed=args.seed))
+    return 0
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     from jaxpar.checkpoint import inspect
     print(inspect(args.dir, verify_data=args.verify))
@@ -148,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="to-hf: the safetensors dtype")
     cv.add_argument("--max-shard-gb", type=float, default=5.0, help="to-hf: split files above this size")
     cv.set_defaults(fn=_convert)
+    ge = sub.add_parser("generate", help="sample text from a checkpoint (KV-cached decoding)")
+    ge.add_argument("src", metavar="RUN_OR_CKPT", help="a run dir, its checkpoints dir or one step dir")
+    ge.add_argument("--prompt", required=True)
+    ge.add_argument("--max-tokens", type=int, default=200, help="new tokens at most (the context bounds it)")
+    ge.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
+    ge.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: keep this probability mass")
+    ge.add_argument("--seed", type=int, default=0)
+    ge.set_defaults(fn=_generate)
     da = sub.add_parser("data", help="jaxpar data prepare | train-tokenizer")
     da_sub = da.add_subparsers(dest="action", required=True)
     dp = da_sub.add_parser("prepare", help="tokenize files (text, .jsonl, .parquet) into a .bin + index")

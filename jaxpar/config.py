@@ -393,12 +393,40 @@ class DataConfig(Strict):
     tokenizer: str | None = None
     bin_path: str | None = None
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    # The held-out split that eval.* evaluates on: `eval_fraction` of the documents (text: files;
+    # bin: the documents of its .idx), chosen by a hash of each document's content and left out of
+    # the training stream; or `eval_paths` (text: files or dirs; bin: one .bin), trained on never.
+    # Synthetic data has no documents: any eval_fraction evaluates on rows training never draws.
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    eval_paths: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _bin(self) -> "DataConfig":
         if self.source == "bin" and not self.bin_path:
             raise ValueError("data.source 'bin' needs data.bin_path (a .bin file of tokens)")
+        if self.eval_fraction and self.eval_paths:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction} and data.eval_paths are both set; "
+                             "give one held-out split (a fraction of the documents, or files)")
+        if self.source == "synthetic" and self.eval_paths:
+            raise ValueError("data.source 'synthetic' reads no files: data.eval_paths needs data.source "
+                             "text or bin (synthetic data evaluates with any data.eval_fraction > 0)")
+        if self.source == "bin" and len(self.eval_paths) > 1:
+            raise ValueError(f"data.eval_paths={self.eval_paths!r}: with data.source 'bin' give one "
+                             ".bin file of held-out tokens")
         return self
+
+    @property
+    def has_eval_split(self) -> bool:
+        return bool(self.eval_fraction or self.eval_paths)
+
+
+class EvalConfig(Strict):
+    """Held-out loss (data.eval_fraction or data.eval_paths) every `every` steps (0: never) and
+    at the last step, over `batches` batches of train.global_batch x train.seq_len tokens (the
+    same batches each time): `eval_loss` and `eval_ppl` in the metrics."""
+
+    every: int = Field(0, ge=0)
+    batches: int = Field(4, gt=0)
 
 
 class CheckpointConfig(Strict):
@@ -541,6 +569,7 @@ class Config(Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     xla: XlaConfig = Field(default_factory=XlaConfig)
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
@@ -556,6 +585,13 @@ class Config(Strict):
             raise ValueError("the run name must be a plain file name (no '/' or '\\', not empty, "
                              "'.' or '..'): the run writes into <run_dir>/<name>")
         return v
+
+    @model_validator(mode="after")
+    def _eval_split(self) -> "Config":
+        if self.eval.every and not self.data.has_eval_split:
+            raise ValueError(f"eval.every={self.eval.every} needs a held-out split: set data.eval_fraction "
+                             "(e.g. 0.01) or data.eval_paths, or eval.every=0")
+        return self
 
     @property
     def out_dir(self) -> Path:

@@ -119,6 +119,22 @@ class Block(nnx.Module):
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
         return constrain(x, RESIDUAL)
 
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: dict, pos: jax.Array):
+        """One layer on tokens at positions pos.. (cos/sin: theirs), attending to the cache;
+        returns (x, the cache with their keys and values written at pos..)."""
+        h = rms_norm(x, self.attn_norm[...], self.eps)
+        q = apply_rope(jnp.einsum("bsd,dhk->bshk", h, self.wq[...]), cos, sin)
+        k = apply_rope(jnp.einsum("bsd,dhk->bshk", h, self.wk[...]), cos, sin)
+        v = jnp.einsum("bsd,dhk->bshk", h, self.wv[...])
+        ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), pos, axis=1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), pos, axis=1)
+        # query i (at pos + i) sees the cached keys 0..pos + i: causal, and blind to unwritten slots
+        seen = jnp.arange(ck.shape[1])[None, :] <= pos + jnp.arange(x.shape[1])[:, None]
+        o = jax.nn.dot_product_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask=seen[None, None])
+        x = x + jnp.einsum("bshk,hkd->bsd", o, self.wo[...])
+        x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
+        return x, {"k": ck, "v": cv}
+
 
 class Llama(nnx.Module):
     """tokens [batch, seq] int -> logits [batch, seq, vocab]; optional segment_ids [batch, seq]
@@ -142,6 +158,32 @@ class Llama(nnx.Module):
         x = rms_norm(x, self.norm[...], cfg.norm_eps)
         w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
         return constrain(jnp.einsum("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))
+
+    def decode(self, tokens: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
+        """Incremental decoding: tokens [batch, s] at positions pos..pos+s-1, given the keys and
+        values of positions < pos in `cache` (init_cache) -> (logits [batch, s, vocab], the
+        cache with these positions added). The same math as __call__, which training uses."""
+        cfg = self.cfg
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        cos, sin = rope_tables(cache["k"].shape[2], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta,
+                               cfg.rope_scaling)
+        cos, sin = (jax.lax.dynamic_slice_in_dim(t, pos, tokens.shape[1], axis=0) for t in (cos, sin))
+        graphdef, state = nnx.split(self.layers)
+
+        def body(h, layer_and_cache):
+            layer_state, layer_cache = layer_and_cache
+            return nnx.merge(graphdef, layer_state).decode(h, cos, sin, layer_cache, pos)
+
+        x, cache = jax.lax.scan(body, x, (state, cache))
+        x = rms_norm(x, self.norm[...], cfg.norm_eps)
+        w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
+        return jnp.einsum("bsd,dv->bsv", x, w), cache
+
+
+def init_cache(cfg, batch: int, length: int, dtype=jnp.float32) -> dict:
+    """An empty KV cache for Llama.decode: k, v [layers, batch, length, kv_heads, head_dim]."""
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim or cfg.dim // cfg.n_heads)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 def param_count(cfg) -> int:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import binfile, synthetic, text, tokenizer
+from jaxpar.data import binfile, split as split_mod, synthetic, text, tokenizer
 from jaxpar.data.keys import mix64, row_keys  # noqa: F401 (mix64: re-exported)
 
 
@@ -53,11 +53,40 @@ class StreamSource:
         return out.astype(np.int32)
 
 
-def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
-    """The token source `cfg` names, validated against the model's vocab_size."""
+@dataclass(frozen=True)
+class HeldOutSteps:
+    """A stateless source's rows at steps no training run reaches: the held-out rows of a source
+    without documents (synthetic)."""
+
+    source: TokenSource
+    offset: int = 1 << 48
+
+    def rows(self, step: int, row_indices: np.ndarray, seq_len: int) -> np.ndarray:
+        return self.source.rows(self.offset + step, row_indices, seq_len)
+
+
+def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "train") -> TokenSource:
+    """The token source `cfg` names, validated against the model's vocab_size. `split`: "train"
+    (without the held-out documents, when data.eval_fraction / data.eval_paths is set) or "eval"
+    (only those; a ConfigError when the config has no held-out split)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}; valid: train, eval")
+    evaluating = split == "eval"
+    if evaluating and not cfg.has_eval_split:
+        raise ConfigError("evaluation needs a held-out split: set data.eval_fraction (e.g. 0.01) or "
+                          "data.eval_paths")
+    frac = cfg.eval_fraction
+    if cfg.source == "text":
+        paths = tuple(cfg.eval_paths) if evaluating and cfg.eval_paths else tuple(cfg.paths)
+        exclude = () if evaluating else tuple(cfg.eval_paths)
+        # data.eval_paths: all of those files (no fraction to split by)
+        file_split = "train" if evaluating and cfg.eval_paths else split
+        field_name = "data.eval_paths" if evaluating and cfg.eval_paths else "data.paths"
+        name = f"{field_name}={list(paths)!r}" if paths else "the Python stdlib corpus"
+        if frac:
+            name += f" ({split} split, data.eval_fraction={frac})"
     if cfg.source == "text" and cfg.tokenizer:
-        tokens = tokenizer.tokenized_corpus(tuple(cfg.paths), cfg.tokenizer, vocab_size)
-        name = f"data.paths={cfg.paths!r}" if cfg.paths else "the Python stdlib corpus"
+        tokens = tokenizer.tokenized_corpus(paths, cfg.tokenizer, vocab_size, frac, file_split, exclude)
         return StreamSource(tokens, seed, f"{name} (data.tokenizer={cfg.tokenizer!r})")
     if cfg.source == "text":
         if vocab_size < text.VOCAB_SIZE:
@@ -65,18 +94,24 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int) -> TokenSource:
                 f"model.vocab_size={vocab_size} is too small for data.source='text': byte tokens "
                 f"need vocab_size >= {text.VOCAB_SIZE}"
             )
-        tokens = text.load_corpus(tuple(cfg.paths))
-        name = f"data.paths={cfg.paths!r}" if cfg.paths else "the Python stdlib corpus"
-        return StreamSource(tokens, seed, name)
+        return StreamSource(text.load_corpus(paths, None, frac, file_split, exclude), seed, name)
     if cfg.source == "bin":
         if not cfg.bin_path:
             raise ConfigError("data.source='bin' needs data.bin_path (a .bin file of tokens)")
-        binfile.check_meta(cfg.bin_path, cfg.bin_dtype, vocab_size)
-        tokens = binfile.open_bin(cfg.bin_path, cfg.bin_dtype)
-        binfile.check_head(tokens, vocab_size, cfg.bin_path)
-        return StreamSource(tokens, seed, f"data.bin_path={cfg.bin_path!r}", vocab_size)
+        path, what = cfg.bin_path, "data.bin_path"
+        if evaluating and cfg.eval_paths:
+            path, what = cfg.eval_paths[0], "data.eval_paths"
+        binfile.check_meta(path, cfg.bin_dtype, vocab_size)
+        tokens = binfile.open_bin(path, cfg.bin_dtype)
+        binfile.check_head(tokens, vocab_size, path)
+        name = f"{what}={path!r}"
+        if frac:
+            tokens = split_mod.bin_split(tokens, path, frac, split)
+            name += f" ({split} split, data.eval_fraction={frac})"
+        return StreamSource(tokens, seed, name, vocab_size)
     if cfg.source == "synthetic":
-        return synthetic.SyntheticSource(vocab_size, seed)
+        source = synthetic.SyntheticSource(vocab_size, seed)
+        return HeldOutSteps(source) if evaluating else source
     raise ConfigError(f"data.source={cfg.source!r} is not valid; valid: text, bin, synthetic")
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.data import split as split_mod
 
 VOCAB_SIZE = 256
 SEPARATOR = b"\n"
@@ -80,23 +81,41 @@ def corpus_files(paths: Sequence[str]) -> list[Path]:
     return files
 
 
-@functools.lru_cache(maxsize=4)
-def load_corpus(paths: tuple[str, ...] = (), max_bytes: int | None = None) -> np.ndarray:
-    """All files' bytes joined by b"\\n" into one read-only uint8 array, cached per process.
-
-    `max_bytes` truncates the result (default: DEFAULT_MAX_BYTES for the stdlib corpus, no cap
-    for user paths; corpora too big for memory belong in a .bin file)."""
-    if max_bytes is None and not paths:
-        max_bytes = DEFAULT_MAX_BYTES
-    chunks: list[bytes] = []
-    total = 0
+@functools.lru_cache(maxsize=2)
+def corpus_documents(paths: tuple[str, ...], max_bytes: int | None = None,
+                     exclude: tuple[str, ...] = ()) -> tuple[tuple[Path, bytes], ...]:
+    """(file, its bytes) for the corpus of `paths`, files in `exclude` (paths or dirs, expanded
+    the same way: data.eval_paths) left out, stopping once `max_bytes` are read. Cached per
+    process (the train and eval splits of one corpus read its files once)."""
+    skip = {f.resolve() for f in corpus_files(exclude)} if exclude else set()
+    docs, total = [], 0
     for f in corpus_files(paths):
-        data = f.read_bytes()
-        chunks.append(data)
-        total += len(data) + len(SEPARATOR)
+        if f.resolve() in skip:
+            continue
+        docs.append((f, f.read_bytes()))
+        total += len(docs[-1][1]) + len(SEPARATOR)
         if max_bytes is not None and total >= max_bytes:
             break
-    blob = SEPARATOR.join(chunks)
+    return tuple(docs)
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(paths: tuple[str, ...] = (), max_bytes: int | None = None, eval_fraction: float = 0.0,
+                split: str = "train", exclude: tuple[str, ...] = ()) -> np.ndarray:
+    """All files' bytes joined by b"\n" into one read-only uint8 array, cached per process.
+
+    `max_bytes` truncates the result (default: DEFAULT_MAX_BYTES for the stdlib corpus, no cap
+    for user paths; corpora too big for memory belong in a .bin file). With `eval_fraction`, only
+    the files of `split` (jaxpar/data/split.py: by a hash of each file's bytes); `exclude`: files
+    never read (the held-out data.eval_paths)."""
+    if max_bytes is None and not paths:
+        max_bytes = DEFAULT_MAX_BYTES
+    docs = corpus_documents(paths, max_bytes, exclude)
+    kept = split_mod.select(docs, eval_fraction, split, key=lambda d: d[1])
+    if eval_fraction:
+        split_mod.check_nonempty(len(kept), len(docs), eval_fraction, split,
+                                 f"data.paths={list(paths)!r}" if paths else "the stdlib corpus")
+    blob = SEPARATOR.join(d for _, d in kept)
     if max_bytes is not None:
         blob = blob[:max_bytes]
     arr = np.frombuffer(blob, dtype=np.uint8)  # bytes-backed, hence read-only: safe to share

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from jaxpar.config import ConfigError
-from jaxpar.data import text
+from jaxpar.data import split as split_mod, text
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 TRAINED_EOS = "<|endoftext|>"
@@ -92,21 +92,22 @@ def train_bpe(files: Sequence[str | Path], vocab_size: int, output: str | Path,
     return out
 
 
-@functools.lru_cache(maxsize=2)
-def tokenized_corpus(paths: tuple[str, ...], tokenizer: str, model_vocab: int) -> np.ndarray:
+@functools.lru_cache(maxsize=4)
+def tokenized_corpus(paths: tuple[str, ...], tokenizer: str, model_vocab: int, eval_fraction: float = 0.0,
+                     split: str = "train", exclude: tuple[str, ...] = ()) -> np.ndarray:
     """data.tokenizer for the text source: the files of data.paths (default: the stdlib, capped
-    as for bytes) tokenized in this process, one document per file, EOS after each. For big
-    corpora, `jaxpar data prepare` once and the `bin` source."""
+    as for bytes) tokenized in this process, one document per file, EOS after each; with
+    `eval_fraction` only the files of `split`, `exclude`d files never read (as text.load_corpus).
+    For big corpora, `jaxpar data prepare` once and the `bin` source."""
     tok = Tokenizer(tokenizer)
     tok.check_vocab(model_vocab)
-    files = text.corpus_files(paths)
     budget = text.DEFAULT_MAX_BYTES if not paths else None
-    docs, total = [], 0
-    for f in files:
-        docs.append(f.read_text(encoding="utf-8", errors="replace"))
-        total += len(docs[-1])
-        if budget is not None and total >= budget:
-            break
+    files = text.corpus_documents(paths, budget, exclude)
+    kept = split_mod.select(files, eval_fraction, split, key=lambda d: d[1])
+    if eval_fraction:
+        split_mod.check_nonempty(len(kept), len(files), eval_fraction, split,
+                                 f"data.paths={list(paths)!r}" if paths else "the stdlib corpus")
+    docs = [data.decode("utf-8", errors="replace") for _, data in kept]
     eos = np.array([tok.eos_id], np.int64)
     ids = np.concatenate([x for d in tok.encode_batch(docs) for x in (d, eos)])
     out = ids.astype(np.int32)

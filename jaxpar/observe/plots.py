@@ -1,4 +1,4 @@
-"""`jaxpar plot RUN_DIR...`: PNGs of loss, throughput and MFU against step from metrics.jsonl.
+"""`jaxpar plot RUN_DIR...`: PNGs of loss, eval loss, throughput and MFU against step from metrics.jsonl.
 
 Several run dirs are overlaid on the same axes (one line each, labelled with the run's name and
 mesh layout from its config.yaml), to compare layouts. A step logged twice (a resumed run appends
@@ -15,6 +15,7 @@ import yaml
 # file stem -> (record key, y label, title)
 PLOTS: dict[str, tuple[str, str, str]] = {
     "loss": ("loss", "loss", "Training loss"),
+    "eval_loss": ("eval_loss", "held-out loss", "Evaluation loss (eval.every)"),
     "throughput": ("tokens_per_s", "tokens / s", "Throughput"),
     "mfu": ("mfu", "MFU (%)", "Model FLOPs utilisation"),
 }
@@ -74,8 +75,9 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> dict[str, dict]:
-    """Write `loss.png`, `throughput.png` and (when any run logged it) `mfu.png` into `out_dir`
-    (default: the first run dir). Returns `{png path: {run label: number of points}}`."""
+    """Write `loss.png`, `throughput.png` and (when any run logged them) `eval_loss.png` and
+    `mfu.png` into `out_dir` (default: the first run dir). Returns
+    `{png path: {run label: number of points}}`."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # heavy: only when plotting
     from matplotlib.figure import Figure
 
@@ -100,7 +102,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> 
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-        if key == "loss" and _positive(lines):
+        if key in ("loss", "eval_loss") and _positive(lines):
             ax.set_yscale("log")
         ax.legend(fontsize="small")
         fig.tight_layout()

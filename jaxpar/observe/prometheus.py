@@ -47,6 +47,8 @@ def record_checkpoint_save(seconds: float) -> None:
 _RECORD_GAUGES: dict[str, tuple[str, str]] = {
     "loss": ("jaxpar_loss", "Training loss of the last logged step"),
     "grad_norm": ("jaxpar_grad_norm", "Global gradient norm (before clipping) of the last logged step"),
+    "eval_loss": ("jaxpar_eval_loss", "Held-out loss of the last evaluation (eval.every)"),
+    "eval_ppl": ("jaxpar_eval_perplexity", "Held-out perplexity (exp of eval_loss) of the last evaluation"),
     "lr": ("jaxpar_learning_rate", "Learning rate of the last logged step"),
     "step_time_s": ("jaxpar_step_time_seconds", "Mean wall time per step since the previous log"),
     "tokens_per_s": ("jaxpar_tokens_per_second", "Training tokens per second, all devices"),

@@ -31,6 +31,7 @@ from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import build_optimizer, schedule
 from jaxpar.train.loop import NonfiniteWatch, StepLog
 from jaxpar.train.precision import DTYPES, apply_precision, check_precision
+from jaxpar.train.evaluate import Evaluator, make_eval_step
 from jaxpar.train.step import make_init, make_step_spec, make_train_step
 from jaxpar.xla import apply_xla_flags
 from models.llama import Llama
@@ -108,6 +109,7 @@ class Trainer:
         vocab = getattr(cfg.model, "vocab_size", 256)
         self.loader = DataLoader(build_source(cfg.data, vocab, cfg.train.seed), cfg.train.global_batch,
                                  cfg.train.seq_len, self.spec.batch_sharding)
+        self.evaluator = self.make_evaluator() if cfg.eval.every else None
         if self.flops_per_token is None:
             self.flops_per_token = self._flops_per_token(custom)
         self.peak = peak_flops(jax.devices()[0], cfg.peak_flops)
@@ -125,6 +127,16 @@ class Trainer:
                   compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat,
                   lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite)
         return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
+
+    def make_evaluator(self) -> Evaluator:
+        """The held-out loss of this config's eval split (eval.batches batches), on this mesh."""
+        cfg = self.cfg
+        vocab = getattr(cfg.model, "vocab_size", 256)
+        loader = DataLoader(build_source(cfg.data, vocab, cfg.train.seed, split="eval"),
+                            cfg.train.global_batch, cfg.train.seq_len, self.spec.batch_sharding)
+        step = make_eval_step(self.model, self.plan, self.spec.param_specs, self.spec.batch_sharding,
+                              compute_dtype=cfg.train.compute_dtype)
+        return Evaluator(step, loader, cfg.eval.batches)
 
     def _flops_per_token(self, custom: bool) -> float:
         n = self.model.n_params
@@ -288,7 +300,12 @@ class Trainer:
                     watch.push(step, metrics.get("nonfinite"))
                     for cb in self.callbacks:
                         cb.on_step_end(self, step, state, metrics)
-                    if step % t.log_every == 0 or step == t.steps or step == 1:
+                    evaluated = self.evaluator is not None and (step % cfg.eval.every == 0 or step == t.steps)
+                    if evaluated:
+                        metrics = {**metrics, **self.evaluator(state["params"])}
+                        self.log(f"step {step}: eval_loss {metrics['eval_loss']:.4f}, "
+                                 f"eval_ppl {metrics['eval_ppl']:.2f}")
+                    if step % t.log_every == 0 or step == t.steps or step == 1 or evaluated:
                         watch.consume()
                         log.record(step, metrics)
                     if t.skip_nonfinite and watch.streak >= t.max_nonfinite:

@@ -1,0 +1,84 @@
+"""The held-out split: a document is evaluation data when a hash of its content falls below
+`data.eval_fraction`, so the split depends on nothing else (not the seed, the order, the other
+documents or the device count) and a document is in exactly one of the two streams.
+
+`Spans` is a token stream made of some documents of a memory-mapped `.bin` (its `.idx` gives the
+boundaries), read in place: the training stream of a `.bin` without its held-out documents.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.config import ConfigError
+
+SPLITS = ("train", "eval")
+
+
+def held_out(doc: bytes, fraction: float) -> bool:
+    """Whether the document whose content is `doc` belongs to the eval split."""
+    h = int.from_bytes(hashlib.blake2b(doc, digest_size=8).digest(), "little")
+    return h < fraction * 2.0**64
+
+
+def select(docs: list, fraction: float, split: str, key=lambda d: d) -> list:
+    """The documents of `split` ("train" or "eval"); `key(doc)` is the bytes that are hashed."""
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; valid: {', '.join(SPLITS)}")
+    if not fraction:
+        return list(docs) if split == "train" else []
+    return [d for d in docs if held_out(key(d), fraction) == (split == "eval")]
+
+
+def check_nonempty(kept: int, total: int, fraction: float, split: str, what: str) -> None:
+    if kept == 0:
+        fix = "raise it" if split == "eval" else "lower it"
+        raise ConfigError(f"data.eval_fraction={fraction} leaves the {split} split of {what} empty "
+                          f"({total} documents); {fix}, or give data.eval_paths")
+
+
+class Spans:
+    """The documents [starts[i], ends[i]) of `tokens`, joined end to end, as a read-only 1-D
+    stream: `len`, `.shape`, `.dtype` and `[a:b]` slices (what StreamSource reads)."""
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+        self.tokens, self.starts = tokens, np.asarray(starts, np.int64)
+        lengths = np.asarray(ends, np.int64) - self.starts
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])  # stream position of each span
+        self.shape, self.dtype = (int(self.offsets[-1]),), tokens.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        a, b, step = sl.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("Spans supports contiguous slices only")
+        out, pos = [], a
+        i = int(np.searchsorted(self.offsets, a, side="right")) - 1
+        while pos < b:
+            start = self.starts[i] + (pos - self.offsets[i])
+            n = min(b, self.offsets[i + 1]) - pos
+            out.append(np.asarray(self.tokens[start:start + n]))
+            pos += n
+            i += 1
+        return np.concatenate(out) if out else np.empty(0, self.dtype)
+
+
+def bin_split(tokens: np.ndarray, path: str, fraction: float, split: str) -> Spans:
+    """The documents of `split` in a `.bin` (boundaries from `<path>.idx`, `jaxpar data prepare`)."""
+    idx_path = Path(str(path) + ".idx")
+    if not idx_path.is_file():
+        raise ConfigError(f"data.eval_fraction={fraction} with data.bin_path={path!r} needs its document "
+                          f"index {idx_path} (written by jaxpar data prepare); or give data.eval_paths")
+    idx = np.fromfile(idx_path, dtype="<u8").astype(np.int64)
+    if idx.size < 2 or idx[0] != 0 or idx[-1] != tokens.shape[0] or np.any(np.diff(idx) < 0):
+        raise ConfigError(f"{idx_path} does not match data.bin_path={path!r} ({tokens.shape[0]} tokens); "
+                          "prepare the data again")
+    pairs = list(zip(idx[:-1].tolist(), idx[1:].tolist()))
+    kept = select(pairs, fraction, split, key=lambda p: np.asarray(tokens[p[0]:p[1]]).tobytes())
+    check_nonempty(len(kept), len(pairs), fraction, split, f"data.bin_path={path!r}")
+    arr = np.array(kept, np.int64).reshape(-1, 2)
+    return Spans(tokens, arr[:, 0], arr[:, 1])

@@ -1,0 +1,62 @@
+"""Held-out evaluation: the forward only (no gradients), on the training mesh and layout.
+
+The same shard_map as the train step (manual over the batch axes, the rest left to the
+compiler), the same forward (train/forward.py: casts, ZeRO-3 gathers, activation constraints,
+expert dispatch) and the same token NLL; only the backward and the update are missing. The eval
+batches are batches 0..eval.batches-1 of the held-out source (data.eval_fraction /
+data.eval_paths), the same ones at every evaluation.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.parallel.sync import is_spec
+from jaxpar.sharding import Plan
+from jaxpar.train.forward import make_forward
+from jaxpar.train.loss import cross_entropy_sum
+from jaxpar.train.model import ModelDef
+from jaxpar.train.precision import DTYPES
+
+
+def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, compute_dtype: str,
+                   loss_sum_fn: Callable = cross_entropy_sum) -> Callable:
+    """A jitted eval(params, tokens) -> the mean token NLL of the global [batch, seq + 1] batch.
+    `params` are the train state's params, in their plan (`param_specs`). The pipeline axis (if
+    any) is left to the compiler: the forward runs unstaged, the layer stack gathered by XLA."""
+    manual = frozenset(plan.batch_axes)
+    sizes = plan.mesh.shape
+    busy = tuple(sorted(a for a in manual if sizes[a] > 1))  # sorted: the psum's rounding is fixed
+    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], "none")
+
+    def local_loss(params, tokens):
+        logits, _ = forward(params, tokens[:, :-1])
+        total = loss_sum_fn(logits, tokens[:, 1:])
+        return jax.lax.psum(total, busy) if busy else total
+
+    param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), param_specs, is_leaf=is_spec)
+    batch_busy = tuple(a for a in plan.batch_axes if sizes[a] > 1)
+    sharded = jax.shard_map(local_loss, mesh=plan.mesh,
+                            in_specs=(param_in, plan.manual_part(plan.batch_spec(), batch_busy)),
+                            out_specs=P(), axis_names=set(manual), check_vma=True)
+
+    def evaluate(params, tokens):
+        return sharded(params, tokens) / (tokens.shape[0] * (tokens.shape[1] - 1))
+
+    param_shardings = jax.tree.map(plan.sharding, param_specs, is_leaf=is_spec)
+    return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding))
+
+
+class Evaluator:
+    """evaluator(params) -> {"eval_loss", "eval_ppl"} over `batches` batches of `loader`."""
+
+    def __init__(self, eval_step: Callable, loader, batches: int):
+        self.eval_step, self.loader, self.batches = eval_step, loader, batches
+
+    def __call__(self, params) -> dict[str, float]:
+        losses = [self.eval_step(params, self.loader.batch(i)) for i in range(self.batches)]
+        loss = float(sum(jax.device_get(losses))) / self.batches  # equal token counts per batch
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}
