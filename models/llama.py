@@ -64,6 +64,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
+def model_rope(cfg, length: int) -> tuple[jax.Array, jax.Array]:
+    """The (cos, sin) tables of positions 0..length-1 for this model config."""
+    return rope_tables(length, cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta, cfg.rope_scaling)
+
+
 def init_attention(layer: nnx.Module, cfg, num_layers: int, rngs: nnx.Rngs) -> tuple[float, float]:
     """The attention params and both norms of a stacked decoder layer (shared by the dense and
     the MoE layer); returns the (input, output-projection) init scales."""
@@ -93,14 +98,18 @@ class Block(nnx.Module):
         self.w_up = param(rngs, (L, D, F), ("layers", "embed", "mlp"), std=std)
         self.w_down = param(rngs, (L, F, D), ("layers", "mlp", "embed"), std=out_std)
 
-    def attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array,
-                  segment_ids: jax.Array | None = None) -> jax.Array:
+    def qkv(self, h: jax.Array, cos: jax.Array, sin: jax.Array):
+        """The rotated queries and keys, and the values, of normed inputs h [batch, seq, dim]."""
         q = jnp.einsum("bsd,dhk->bshk", h, self.wq[...])
         k = jnp.einsum("bsd,dhk->bshk", h, self.wk[...])
         v = jnp.einsum("bsd,dhk->bshk", h, self.wv[...])
         q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        return q, k, constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+
+    def attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                  segment_ids: jax.Array | None = None) -> jax.Array:
+        q, k, v = self.qkv(h, cos, sin)
         o = nn.attention(q, k, v, segment_ids, implementation=self.attn_impl, block=self.attn_block,
                          threshold=self.attn_threshold)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
@@ -122,10 +131,7 @@ class Block(nnx.Module):
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: dict, pos: jax.Array):
         """One layer on tokens at positions pos.. (cos/sin: theirs), attending to the cache;
         returns (x, the cache with their keys and values written at pos..)."""
-        h = rms_norm(x, self.attn_norm[...], self.eps)
-        q = apply_rope(jnp.einsum("bsd,dhk->bshk", h, self.wq[...]), cos, sin)
-        k = apply_rope(jnp.einsum("bsd,dhk->bshk", h, self.wk[...]), cos, sin)
-        v = jnp.einsum("bsd,dhk->bshk", h, self.wv[...])
+        q, k, v = self.qkv(rms_norm(x, self.attn_norm[...], self.eps), cos, sin)
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), pos, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), pos, axis=1)
         # query i (at pos + i) sees the cached keys 0..pos + i: causal, and blind to unwritten slots
@@ -152,11 +158,14 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
-        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta,
-                               cfg.rope_scaling)
+        cos, sin = model_rope(cfg, tokens.shape[1])
         x = scan_layers(self.layers, x, lambda layer, h: layer(h, cos, sin, segment_ids))
-        x = rms_norm(x, self.norm[...], cfg.norm_eps)
-        w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
+        return self.logits(x)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The final norm and the (tied or own) head."""
+        x = rms_norm(x, self.norm[...], self.cfg.norm_eps)
+        w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
         return constrain(jnp.einsum("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))
 
     def decode(self, tokens: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
@@ -165,8 +174,7 @@ class Llama(nnx.Module):
         cache with these positions added). The same math as __call__, which training uses."""
         cfg = self.cfg
         x = jnp.take(self.embed[...], tokens, axis=0)
-        cos, sin = rope_tables(cache["k"].shape[2], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta,
-                               cfg.rope_scaling)
+        cos, sin = model_rope(cfg, cache["k"].shape[2])
         cos, sin = (jax.lax.dynamic_slice_in_dim(t, pos, tokens.shape[1], axis=0) for t in (cos, sin))
         graphdef, state = nnx.split(self.layers)
 
@@ -175,9 +183,7 @@ class Llama(nnx.Module):
             return nnx.merge(graphdef, layer_state).decode(h, cos, sin, layer_cache, pos)
 
         x, cache = jax.lax.scan(body, x, (state, cache))
-        x = rms_norm(x, self.norm[...], cfg.norm_eps)
-        w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        return jnp.einsum("bsd,dv->bsv", x, w), cache
+        return self.logits(x), cache
 
 
 def init_cache(cfg, batch: int, length: int, dtype=jnp.float32) -> dict:

@@ -23,7 +23,7 @@ from flax import nnx
 from jaxpar import nn
 from jaxpar.nn import constrain, param, scan_layers
 from jaxpar.registry import PRESETS as PRESET_REGISTRY
-from models.llama import RESIDUAL, Block, init_attention, rms_norm, rope_tables
+from models.llama import RESIDUAL, Block, init_attention, model_rope, rms_norm
 
 # Mixtral 8x7B (published): 46,702,792,704 parameters, 12,879,925,248 active per token
 # (2 of 8 experts); `param_count` / `active_param_count` give them, the tests check both.
@@ -125,7 +125,7 @@ class MoEBlock(nnx.Module):
         init_attention(self, cfg, num_layers, rngs)
         self.moe = MoE(cfg, num_layers, rngs)
 
-    attention = Block.attention
+    qkv, attention = Block.qkv, Block.attention
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -167,8 +167,7 @@ class MoELlama(nnx.Module):
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         cfg, m = self.cfg, self.cfg.moe
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
-        cos, sin = rope_tables(tokens.shape[1], cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta,
-                               cfg.rope_scaling)
+        cos, sin = model_rope(cfg, tokens.shape[1])
         acc = {"lb": jnp.zeros(()), "z": jnp.zeros(()), "dropped": jnp.zeros(()),
                "load": jnp.zeros((m.num_experts,))}
         x, acc = scan_layers(self.layers, (x, acc), lambda layer, c: layer(c, cos, sin, segment_ids))

@@ -23,7 +23,7 @@ from jaxpar.hf.init import init_config
 from jaxpar.hf.reading import load_params
 from jaxpar.hf.writing import write_hf
 from jaxpar.train.model import ModelDef
-from jaxpar.train.trainer import llama_model_factory
+from jaxpar.train.builtin import llama_model_factory
 from models.llama import llama3_frequencies
 from tests.grad_util import run_steps
 

@@ -17,8 +17,9 @@ from jaxpar.config import ModelConfig, make_config
 from jaxpar.hf.hfconfig import HFError
 from jaxpar.hf.init import checkpoint_step_dir
 from jaxpar.hf.writing import write_hf
+from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.model import ModelDef
-from jaxpar.train.trainer import Trainer, llama_model_factory
+from jaxpar.train.trainer import Trainer
 
 
 def from_hf(hf_dir: str | Path, out_ckpt: str | Path, log: Callable[[str], None] = print) -> Path:

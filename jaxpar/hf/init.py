@@ -17,9 +17,8 @@ from jaxpar.checkpoint import CheckpointError, list_steps, locate, read_config, 
 from jaxpar.config import Config, ConfigError, ModelConfig
 from jaxpar.hf.hfconfig import model_config, read_hf_config
 from jaxpar.hf.reading import load_params
+from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.model import ModelDef
-from models.llama import Llama
-from models.moe import MoELlama
 
 SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                 "tie_embeddings")
@@ -95,8 +94,7 @@ def initial_params(cfg: Config, shardings) -> dict | None:
     if d is not None:
         return load_params(d, cfg.model, shardings, dtype=np.float32)
     step_dir = checkpoint_step_dir(spec)
-    cls = MoELlama if cfg.model.moe.num_experts else Llama
-    shapes = ModelDef.from_factory(lambda rngs: cls(cfg.model, rngs)).shapes
+    shapes = ModelDef.from_factory(llama_model_factory(cfg)).shapes
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, np.float32, sharding=sh),
                             shapes, shardings)
     return restore_params(step_dir, abstract)

@@ -41,6 +41,13 @@ class Progress:
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(max(delta, 0))
 
+    def write(self, message: str, fallback) -> None:
+        """`message` above the bar (a plain print would tear it), or `fallback(message)` without one."""
+        if self._bar is None:
+            fallback(message)
+        else:
+            self._bar.write(message)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -29,13 +29,13 @@ from jaxpar.parallel.pipeline import check_pipeline_layout
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import build_optimizer, schedule
+from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.loop import NonfiniteWatch, StepLog
 from jaxpar.train.precision import DTYPES, apply_precision, check_precision
 from jaxpar.train.evaluate import Evaluator, make_eval_step
 from jaxpar.train.step import make_init, make_step_spec, make_train_step
 from jaxpar.xla import apply_xla_flags
-from models.llama import Llama
-from models.moe import MoELlama, active_param_count
+from models.moe import active_param_count
 
 
 class TrainingStopped(ConfigError):
@@ -65,12 +65,6 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
             f"train.global_batch={t.global_batch} must be divisible by the batch-parallel size "
             f"({axes} = {dp}) times train.grad_accum={t.grad_accum} = {dp * t.grad_accum}"
         )
-
-
-def llama_model_factory(cfg: Config) -> Callable[[nnx.Rngs], nnx.Module]:
-    if cfg.model.moe.num_experts:
-        return lambda rngs: MoELlama(cfg.model, rngs)
-    return lambda rngs: Llama(cfg.model, rngs)
 
 
 @dataclass
@@ -106,9 +100,7 @@ class Trainer:
         self.replication = check_replication(self.plan, named)
         self.step_fn = self.make_step()
         self.init_fn = make_init(self.model, self.tx, self.spec, DTYPES[cfg.train.param_dtype])
-        vocab = getattr(cfg.model, "vocab_size", 256)
-        self.loader = DataLoader(build_source(cfg.data, vocab, cfg.train.seed), cfg.train.global_batch,
-                                 cfg.train.seq_len, self.spec.batch_sharding)
+        self.loader = self._loader("train")
         self.evaluator = self.make_evaluator() if cfg.eval.every else None
         if self.flops_per_token is None:
             self.flops_per_token = self._flops_per_token(custom)
@@ -131,12 +123,16 @@ class Trainer:
     def make_evaluator(self) -> Evaluator:
         """The held-out loss of this config's eval split (eval.batches batches), on this mesh."""
         cfg = self.cfg
-        vocab = getattr(cfg.model, "vocab_size", 256)
-        loader = DataLoader(build_source(cfg.data, vocab, cfg.train.seed, split="eval"),
-                            cfg.train.global_batch, cfg.train.seq_len, self.spec.batch_sharding)
         step = make_eval_step(self.model, self.plan, self.spec.param_specs, self.spec.batch_sharding,
                               compute_dtype=cfg.train.compute_dtype)
-        return Evaluator(step, loader, cfg.eval.batches)
+        return Evaluator(step, self._loader("eval"), cfg.eval.batches)
+
+    def _loader(self, split: str) -> DataLoader:
+        """Global batches of the `split` ("train" or "eval") of the configured source."""
+        cfg = self.cfg
+        vocab = getattr(cfg.model, "vocab_size", 256)
+        return DataLoader(build_source(cfg.data, vocab, cfg.train.seed, split=split), cfg.train.global_batch,
+                          cfg.train.seq_len, self.spec.batch_sharding)
 
     def _flops_per_token(self, custom: bool) -> float:
         n = self.model.n_params
@@ -300,11 +296,7 @@ class Trainer:
                     watch.push(step, metrics.get("nonfinite"))
                     for cb in self.callbacks:
                         cb.on_step_end(self, step, state, metrics)
-                    evaluated = self.evaluator is not None and (step % cfg.eval.every == 0 or step == t.steps)
-                    if evaluated:
-                        metrics = {**metrics, **self.evaluator(state["params"])}
-                        self.log(f"step {step}: eval_loss {metrics['eval_loss']:.4f}, "
-                                 f"eval_ppl {metrics['eval_ppl']:.2f}")
+                    evaluated = self._evaluate(step, state, metrics, log)
                     if step % t.log_every == 0 or step == t.steps or step == 1 or evaluated:
                         watch.consume()
                         log.record(step, metrics)
@@ -341,6 +333,15 @@ class Trainer:
         if start_step == 0:
             self.skipped_steps, self.skipped_batches = 0, []
         return ckpt, self.init_state() if state is None else state, start_step
+
+    def _evaluate(self, step: int, state, metrics: dict, log: StepLog) -> bool:
+        """At eval.every steps (and the last): the held-out loss added to `metrics`, and logged."""
+        if self.evaluator is None or (step % self.cfg.eval.every and step != self.cfg.train.steps):
+            return False
+        metrics.update(self.evaluator(state["params"]))
+        msg = f"step {step}: eval_loss {metrics['eval_loss']:.4f}, eval_ppl {metrics['eval_ppl']:.2f}"
+        log.bar.write(msg, self.log)
+        return True
 
     def _count_skipped(self) -> None:
         self.skipped_steps += 1
