@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxpar.checkpoint import CheckpointError, list_steps, locate, read_config, restore_params
 from jaxpar.config import Config, ConfigError, ModelConfig
-from jaxpar.hf.hfconfig import model_config, read_hf_config
+from jaxpar.hf.hfconfig import HFError, model_config, read_hf_config
 from jaxpar.hf.reading import load_params
 from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.model import ModelDef
@@ -49,7 +49,10 @@ def source_model(spec: str) -> ModelConfig:
     """The model config of an init_from source."""
     d = hf_dir(spec)
     if d is not None:
-        return model_config(read_hf_config(d), where=str(d / "config.json"))
+        try:
+            return model_config(read_hf_config(d), where=str(d / "config.json"))
+        except HFError as e:  # the message names the path; say which setting gave it
+            raise HFError(f"train.init_from={spec!r}: {e}") from None
     saved = read_config(checkpoint_step_dir(spec)).get("model")
     try:
         return ModelConfig.model_validate(saved)
