@@ -5,6 +5,7 @@ did-you-mean), and the resolved config is printed at start and saved in the run 
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from pathlib import Path
@@ -342,6 +343,9 @@ class TrainConfig(Strict):
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     remat: Literal[REMAT_POLICIES] = "none"  # jaxpar.nn.REMAT_POLICIES maps each to a policy
+    # The loss over chunks of this many tokens (train/loss.DeferredLogits): the float32
+    # [batch, seq, vocab] logits never exist at once (4 GB per 8K-token sequence at vocab 128K).
+    loss_chunk: int | None = Field(None, gt=0)
     log_every: int = Field(1, gt=0)
     progress: bool = True
     resume: str = Field("auto", description="auto (latest good checkpoint of the run), never, or a path")
@@ -352,6 +356,14 @@ class TrainConfig(Strict):
     max_nonfinite: int = Field(5, ge=1, description="stop after this many non-finite steps in a row")
     nonfinite_rollback: bool = Field(False, description="instead of stopping: restore the last "
                                      "checkpoint and skip the batch that started the run of bad steps")
+
+    @model_validator(mode="after")
+    def _loss_chunk(self) -> "TrainConfig":
+        if self.loss_chunk is not None and self.seq_len % self.loss_chunk:
+            near = max(d for d in range(1, self.loss_chunk + 1) if self.seq_len % d == 0)
+            raise ValueError(f"train.loss_chunk={self.loss_chunk} must divide train.seq_len={self.seq_len}; "
+                             f"use a divisor of {self.seq_len} (e.g. {near}) or null")
+        return self
 
     @field_validator("init_from")
     @classmethod
@@ -656,7 +668,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
 
 
 def make_config(raw: dict | None = None, overrides: list[str] = ()) -> Config:
-    tree = dict(raw or {})
+    tree = copy.deepcopy(raw or {})  # the overrides must not write into the caller's nested dicts
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(tree, key, value)
     try:

@@ -42,6 +42,10 @@ class Context:
     # Attention (q, k, v, segment_ids, **options) -> out; None: jaxpar.attention.attention on this
     # device. A context-parallel strategy puts its ring / all-to-all attention here.
     attention: Callable[..., jax.Array] | None = None
+    # The output head (x [b, s, d], w [d, vocab]) -> logits; None: the einsum. With
+    # train.loss_chunk the step defers it (train/loss.DeferredLogits): the loss forms the logits a
+    # chunk of tokens at a time, so the whole [b, s, vocab] never exists.
+    head: Callable[[jax.Array, jax.Array], Any] | None = None
     # When set, scan_layers(stack, carry, fn) returns layers_hook(stack, carry, fn): the pipeline
     # uses it to cut a model into embedding / layer stages / head (see jaxpar/parallel/pipeline).
     layers_hook: Callable[[nnx.Module, Any, Callable], Any] | None = None
@@ -114,6 +118,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
 
 
 _AUX: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxpar_aux", default=None)
+
+
+def head(x: jax.Array, w: jax.Array):
+    """The logits x [batch, seq, embed] @ w [embed, vocab], or what the context's head makes of
+    them (the step's loss may compute them chunk by chunk)."""
+    fn = _CTX.get().head
+    if fn is not None:
+        return fn(x, w)
+    return constrain(jnp.einsum("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))
 
 
 @contextlib.contextmanager

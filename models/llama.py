@@ -165,8 +165,7 @@ class Llama(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """The final norm and the (tied or own) head."""
         x = rms_norm(x, self.norm[...], self.cfg.norm_eps)
-        w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
-        return constrain(jnp.einsum("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))
+        return nn.head(x, self.embed[...].T if self.cfg.tie_embeddings else self.head[...])
 
     def decode(self, tokens: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
         """Incremental decoding: tokens [batch, s] at positions pos..pos+s-1, given the keys and

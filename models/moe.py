@@ -178,8 +178,7 @@ class MoELlama(nnx.Module):
         nn.sow("moe/dropped_fraction", acc["dropped"])
         nn.sow("moe/load", acc["load"])
         x = rms_norm(x, self.norm[...], cfg.norm_eps)
-        w = self.embed[...].T if cfg.tie_embeddings else self.head[...]
-        return constrain(jnp.einsum("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))
+        return nn.head(x, self.embed[...].T if cfg.tie_embeddings else self.head[...])
 
 
 def _counts(cfg) -> tuple[int, int, int]:

@@ -136,3 +136,11 @@ def test_every_remat_policy_of_the_config_has_a_policy():
     from jaxpar import nn
     from jaxpar.config import REMAT_POLICIES
     assert tuple(nn.REMAT_POLICIES) == REMAT_POLICIES
+
+
+def test_overrides_leave_the_callers_dict_alone():
+    """make_config(raw, overrides) twice from one dict: the first call's overrides do not leak
+    into the second (they were written into raw's nested dicts)."""
+    raw = {"train": {"steps": 5}}
+    assert make_config(raw, ["train.loss_chunk=8", "train.seq_len=32"]).train.loss_chunk == 8
+    assert raw == {"train": {"steps": 5}} and make_config(raw).train.loss_chunk is None

@@ -17,24 +17,24 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.parallel.sync import is_spec
 from jaxpar.sharding import Plan
 from jaxpar.train.forward import make_forward
-from jaxpar.train.loss import cross_entropy_sum
+from jaxpar.train.loss import cross_entropy_sum, token_loss_sum
 from jaxpar.train.model import ModelDef
 from jaxpar.train.precision import DTYPES
 
 
 def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, compute_dtype: str,
-                   loss_sum_fn: Callable = cross_entropy_sum) -> Callable:
+                   loss_sum_fn: Callable = cross_entropy_sum, loss_chunk: int | None = None) -> Callable:
     """A jitted eval(params, tokens) -> the mean token NLL of the global [batch, seq + 1] batch.
     `params` are the train state's params, in their plan (`param_specs`). The pipeline axis (if
     any) is left to the compiler: the forward runs unstaged, the layer stack gathered by XLA."""
     manual = frozenset(plan.batch_axes)
     sizes = plan.mesh.shape
     busy = tuple(sorted(a for a in manual if sizes[a] > 1))  # sorted: the psum's rounding is fixed
-    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], "none")
+    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], "none", loss_chunk=loss_chunk)
 
     def local_loss(params, tokens):
         logits, _ = forward(params, tokens[:, :-1])
-        total = loss_sum_fn(logits, tokens[:, 1:])
+        total = token_loss_sum(loss_sum_fn, logits, tokens[:, 1:])
         return jax.lax.psum(total, busy) if busy else total
 
     param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), param_specs, is_leaf=is_spec)

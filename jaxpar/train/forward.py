@@ -16,6 +16,7 @@ from jaxpar.parallel.data import GATHERED, param_preparer
 from jaxpar.parallel.expert import expert_hook
 from jaxpar.parallel.tensor import activation_constrainer
 from jaxpar.sharding import Plan
+from jaxpar.train.loss import DeferredLogits
 from jaxpar.train.model import ModelDef
 
 
@@ -33,13 +34,15 @@ class Forward:
 
 
 def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dtype, remat: str,
-                 grad_dtype=None) -> Forward:
+                 grad_dtype=None, loss_chunk: int | None = None) -> Forward:
     """The forward of `model` inside a shard_map manual over `manual`, computing in
-    `compute_dtype`; ZeRO-3's gradient reduce-scatters run in `grad_dtype`."""
+    `compute_dtype`; ZeRO-3's gradient reduce-scatters run in `grad_dtype`. With `loss_chunk`
+    (train.loss_chunk) the "logits" are a train.loss.DeferredLogits for the chunked loss."""
     prepare = param_preparer(plan, manual, compute_dtype, grad_dtype)
+    head = (lambda x, w: DeferredLogits(x, w, loss_chunk)) if loss_chunk else None
     ctx = nn.Context(constrain=activation_constrainer(plan, manual), experts=expert_hook(plan, manual),
                      layer_params=lambda st: prepare(st, stacked=True), remat=remat,
-                     never_save=(GATHERED,) if plan.zero_stage >= 3 else ())
+                     never_save=(GATHERED,) if plan.zero_stage >= 3 else (), head=head)
     stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
     prepare_top = lambda st: _prepare_top(st, prepare, stacked)
 

@@ -1,5 +1,6 @@
 """The loss of one microbatch, as its share of the global-batch mean: one definition for the
-plain step's microbatch scan and the pipeline's last stage."""
+plain step's microbatch scan and the pipeline's last stage; and the chunked loss of
+train.loss_chunk, which never forms the whole float32 [batch, seq, vocab] logits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,36 @@ from jaxpar.train.sown import add_sown
 def cross_entropy_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Summed token NLL in float32."""
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).sum()
+
+
+@dataclass(frozen=True)
+class DeferredLogits:
+    """What the model's head (jaxpar.nn.head) hands the loss under train.loss_chunk: its input x
+    [batch, seq, embed] and weight w [embed, vocab]. `token_sum` forms the logits `chunk` tokens
+    at a time, each chunk under jax.checkpoint so that the backward forms them again instead of
+    keeping them: one chunk's float32 logits exist at a time, forward and backward."""
+
+    x: jax.Array
+    w: jax.Array
+    chunk: int  # static (pytree metadata)
+
+    def token_sum(self, sum_fn: Callable, targets: jax.Array) -> jax.Array:
+        b, s, d = self.x.shape
+        n = s // self.chunk
+        xs = self.x.reshape(b, n, self.chunk, d).swapaxes(0, 1)
+        ts = targets.reshape(b, n, self.chunk).swapaxes(0, 1)
+        one = jax.checkpoint(lambda x, t, w: sum_fn(jnp.einsum("bsd,dv->bsv", x, w), t))
+        return jax.lax.map(lambda xt: one(xt[0], xt[1], self.w), (xs, ts)).sum()
+
+
+jax.tree_util.register_dataclass(DeferredLogits, data_fields=["x", "w"], meta_fields=["chunk"])
+
+
+def token_loss_sum(sum_fn: Callable, logits, targets: jax.Array) -> jax.Array:
+    """sum_fn(logits, targets) for logits or DeferredLogits (chunk by chunk)."""
+    if isinstance(logits, DeferredLogits):
+        return logits.token_sum(sum_fn, targets)
+    return sum_fn(logits, targets)
 
 
 @dataclass(frozen=True)
@@ -35,4 +66,4 @@ class MicrobatchLoss:
         return cls(sum_fn, batch * (seq1 - 1) * devices, 1.0 / (devices * microbatches))
 
     def __call__(self, logits: jax.Array, tokens: jax.Array, sown: dict):
-        return add_sown(self.sum_fn(logits, tokens[:, 1:]) / self.n_tokens, sown, self.share)
+        return add_sown(token_loss_sum(self.sum_fn, logits, tokens[:, 1:]) / self.n_tokens, sown, self.share)

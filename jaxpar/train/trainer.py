@@ -117,14 +117,15 @@ class Trainer:
         cfg = self.cfg
         kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline,
                   compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat,
-                  lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite)
+                  lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite,
+                  loss_chunk=cfg.train.loss_chunk)
         return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
 
     def make_evaluator(self) -> Evaluator:
         """The held-out loss of this config's eval split (eval.batches batches), on this mesh."""
         cfg = self.cfg
         step = make_eval_step(self.model, self.plan, self.spec.param_specs, self.spec.batch_sharding,
-                              compute_dtype=cfg.train.compute_dtype)
+                              compute_dtype=cfg.train.compute_dtype, loss_chunk=cfg.train.loss_chunk)
         return Evaluator(step, self._loader("eval"), cfg.eval.batches)
 
     def _loader(self, split: str) -> DataLoader:
