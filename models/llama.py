@@ -39,12 +39,15 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, scaling=None) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [seq, head_dim // 2]; `scaling`: a config.RopeScalingConfig (or None)."""
+def rope_tables(positions, head_dim: int, theta: float, scaling=None) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [..., head_dim // 2] at `positions` (an int: 0..positions-1, giving [seq, hd/2];
+    or an int array such as [batch, seq] of each token's position); `scaling`: a
+    config.RopeScalingConfig (or None)."""
     inv = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     if scaling is not None:
         inv = llama3_frequencies(inv, scaling)
-    ang = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]
+    pos = jnp.arange(positions) if isinstance(positions, int) else positions
+    ang = pos.astype(jnp.float32)[..., None] * inv
     return jnp.cos(ang), jnp.sin(ang)
 
 
@@ -58,15 +61,19 @@ def llama3_frequencies(inv: jax.Array, s) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE on [batch, seq, heads, head_dim]."""
+    """Rotate-half RoPE on [batch, seq, heads, head_dim]; cos, sin [seq, hd/2] (shared by the
+    batch) or [batch, seq, hd/2] (each row's own positions)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def model_rope(cfg, length: int) -> tuple[jax.Array, jax.Array]:
-    """The (cos, sin) tables of positions 0..length-1 for this model config."""
-    return rope_tables(length, cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta, cfg.rope_scaling)
+def model_rope(cfg, positions) -> tuple[jax.Array, jax.Array]:
+    """The (cos, sin) tables for this model config of positions 0..positions-1 (an int) or of the
+    given positions (an int array, e.g. [batch, seq])."""
+    return rope_tables(positions, cfg.head_dim or cfg.dim // cfg.n_heads, cfg.rope_theta, cfg.rope_scaling)
 
 
 def init_attention(layer: nnx.Module, cfg, num_layers: int, rngs: nnx.Rngs) -> tuple[float, float]:
@@ -144,7 +151,9 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
     """tokens [batch, seq] int -> logits [batch, seq, vocab]; optional segment_ids [batch, seq]
-    (packed documents: attention stays inside a segment)."""
+    (packed documents: attention stays inside a segment) and positions [batch, seq] (each token's
+    RoPE position: restarted per document, or a context-parallel shard's global positions;
+    default 0..seq-1)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -155,10 +164,11 @@ class Llama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (D, V), ("embed", "vocab"), std=cfg.init_std)
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
         cfg = self.cfg
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
-        cos, sin = model_rope(cfg, tokens.shape[1])
+        cos, sin = model_rope(cfg, tokens.shape[1] if positions is None else positions)
         x = scan_layers(self.layers, x, lambda layer, h: layer(h, cos, sin, segment_ids))
         return self.logits(x)
 

@@ -164,10 +164,12 @@ class MoELlama(nnx.Module):
         if not cfg.tie_embeddings:
             self.head = param(rngs, (D, V), ("embed", "vocab"), std=cfg.init_std)
 
-    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """As models.llama.Llama (segment_ids, positions [batch, seq] optional)."""
         cfg, m = self.cfg, self.cfg.moe
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
-        cos, sin = model_rope(cfg, tokens.shape[1])
+        cos, sin = model_rope(cfg, tokens.shape[1] if positions is None else positions)
         acc = {"lb": jnp.zeros(()), "z": jnp.zeros(()), "dropped": jnp.zeros(()),
                "load": jnp.zeros((m.num_experts,))}
         x, acc = scan_layers(self.layers, (x, acc), lambda layer, c: layer(c, cos, sin, segment_ids))

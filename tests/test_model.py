@@ -24,16 +24,17 @@ def _rms(x, w, eps):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def _rope(x, theta):
-    s, hd = x.shape[1], x.shape[-1]
+def _rope(x, theta, positions=None):
+    b, s, hd = x.shape[0], x.shape[1], x.shape[-1]
     inv = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
-    ang = np.arange(s)[:, None] * inv[None]
-    c, sn = np.cos(ang)[None, :, None], np.sin(ang)[None, :, None]
+    pos = np.broadcast_to(np.arange(s), (b, s)) if positions is None else positions
+    ang = pos[..., None] * inv
+    c, sn = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return np.concatenate([x1 * c - x2 * sn, x2 * c + x1 * sn], -1)
 
 
-def numpy_llama(p, tokens, cfg):
+def numpy_llama(p, tokens, cfg, positions=None):
     """Independent float64 forward: explicit loops over layers and kv groups."""
     x = p["embed"][tokens]
     H, K = cfg.n_heads, cfg.n_kv_heads
@@ -42,8 +43,8 @@ def numpy_llama(p, tokens, cfg):
     L = p["layers"]
     for i in range(cfg.n_layers):
         h = _rms(x, L["attn_norm"][i], cfg.norm_eps)
-        q = _rope(np.einsum("bsd,dhk->bshk", h, L["wq"][i]), cfg.rope_theta)
-        k = _rope(np.einsum("bsd,dhk->bshk", h, L["wk"][i]), cfg.rope_theta)
+        q = _rope(np.einsum("bsd,dhk->bshk", h, L["wq"][i]), cfg.rope_theta, positions)
+        k = _rope(np.einsum("bsd,dhk->bshk", h, L["wk"][i]), cfg.rope_theta, positions)
         v = np.einsum("bsd,dhk->bshk", h, L["wv"][i])
         out = np.zeros_like(q)
         for head in range(H):
@@ -70,6 +71,18 @@ def test_forward_matches_numpy_float64(tie):
     params = jax.tree.map(lambda a: np.asarray(a, np.float64), pure_dict(nnx.state(model, nnx.Param)))
     want = numpy_llama(params, tokens, cfg)
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_forward_at_given_positions_matches_numpy_float64():
+    """Each row's own RoPE positions (a context shard's global ones, or restarted per document)."""
+    cfg = make_config({}, ["model.preset=tiny"]).model
+    model = Llama(cfg, nnx.Rngs(2))
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
+    positions = np.stack([np.arange(12) + 100, np.r_[np.arange(5), np.arange(7)]])
+    got = np.asarray(model(jnp.asarray(tokens), positions=jnp.asarray(positions)), np.float64)
+    params = jax.tree.map(lambda a: np.asarray(a, np.float64), pure_dict(nnx.state(model, nnx.Param)))
+    np.testing.assert_allclose(got, numpy_llama(params, tokens, cfg, positions), rtol=2e-4, atol=2e-5)
+    assert not np.allclose(got, numpy_llama(params, tokens, cfg), rtol=2e-4, atol=2e-5)
 
 
 def test_layers_are_stacked_and_scanned():
