@@ -1,0 +1,105 @@
+"""Cluster descriptions: what the cost model knows about the hardware, as validated data.
+
+A description (YAML) gives devices per host, hosts, memory per device, peak FLOP/s per dtype, and
+per link (intra-host: NVLink / ICI / shared memory; inter-host: InfiniBand / DCN) the bandwidth
+one device sees and the latency of one collective step. `efficiency` holds the factors the
+cost model multiplies the peaks by (what `jaxpar plan fit` learns from measured runs).
+Built-in presets live in jaxpar/planner/clusters/*.yaml; `jaxpar plan calibrate` writes one for
+this machine.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxpar.config import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "clusters"
+GIB = 2**30
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Link(_Strict):
+    bandwidth_gbps: float = Field(gt=0, description="GB/s (1e9 bytes) one device sends over this link")
+    latency_us: float = Field(ge=0, description="microseconds per collective step")
+
+
+class Efficiency(_Strict):
+    """Achieved fractions of the peaks (fit by `jaxpar plan fit`)."""
+
+    matmul: float = Field(0.6, gt=0, le=1, description="of peak FLOP/s, for the model's matmuls")
+    comm: float = Field(0.8, gt=0, le=1, description="of link bandwidth, for collectives")
+    overlap: float = Field(0.0, ge=0, le=1, description="fraction of gradient-reduction time hidden "
+                                                        "behind the backward")
+    gather_overlap: float = Field(0.7, ge=0, le=1, description="fraction of ZeRO-3 gather time hidden "
+                                                               "behind the layer compute")
+
+
+class Cluster(_Strict):
+    name: str
+    devices_per_host: int = Field(gt=0)
+    hosts: int = Field(1, gt=0)
+    memory_gib: float = Field(gt=0, description="memory per device usable by one process")
+    peak_tflops: dict[str, float] = Field(description="per dtype: float32, bfloat16, float16")
+    intra: Link
+    inter: Link
+    efficiency: Efficiency = Field(default_factory=Efficiency)
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_host * self.hosts
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s of one device in `dtype` (float16 falls back to bfloat16)."""
+        table = self.peak_tflops
+        for name in (dtype, "bfloat16" if dtype == "float16" else dtype, "float32"):
+            if name in table:
+                return table[name] * 1e12
+        raise ConfigError(f"cluster {self.name!r}: no peak_tflops for {dtype!r} (has {', '.join(table)})")
+
+    def with_devices(self, n: int) -> "Cluster":
+        """This cluster cut or grown to n devices (whole hosts where n allows)."""
+        if n <= self.devices_per_host:
+            return self.model_copy(update={"devices_per_host": n, "hosts": 1})
+        if n % self.devices_per_host:
+            raise ConfigError(f"--devices {n} is not a multiple of the cluster's devices_per_host="
+                              f"{self.devices_per_host}")
+        return self.model_copy(update={"hosts": n // self.devices_per_host})
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A preset by name (see `presets()`) or a YAML file; one clear error for a bad one."""
+    path = Path(name_or_path)
+    if not path.suffix and str(name_or_path) in presets():
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"cluster {str(name_or_path)!r}: not a preset ({', '.join(presets())}) "
+                          "nor a YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cluster file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"cluster file {str(path)!r} must hold a mapping")
+    raw.setdefault("name", path.stem)
+    try:
+        return Cluster.model_validate(raw)
+    except ValidationError as err:
+        lines = [f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" for e in err.errors()]
+        raise ConfigError(f"invalid cluster file {str(path)!r}:\n  " + "\n  ".join(lines)) from None

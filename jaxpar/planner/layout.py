@@ -1,0 +1,68 @@
+"""A candidate layout: mesh sizes and the step options the planner chooses, as config overrides."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import jax
+
+from jaxpar.config import MESH_AXES, Config, make_config
+from jaxpar.sharding import Plan
+
+SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline", "expert")
+
+
+@dataclass(frozen=True)
+class Layout:
+    mesh: dict[str, int]
+    zero_stage: int = 1
+    remat: str = "none"
+    grad_accum: int = 1
+    schedule: str = "1f1b"        # pipeline.schedule (used when mesh.pipeline > 1)
+    virtual_stages: int = 1
+    dcn: dict[str, int] = field(default_factory=dict)  # the across-hosts part of each axis
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    def size(self, axis: str) -> int:
+        return self.mesh.get(axis, 1)
+
+    def overrides(self) -> list[str]:
+        out = [f"mesh.{a}={self.mesh.get(a, 1)}" for a in MESH_AXES]
+        out += [f"sharding.zero_stage={self.zero_stage}", f"train.remat={self.remat}",
+                f"train.grad_accum={self.grad_accum}"]
+        if self.size("pipeline") > 1:
+            out += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
+                    "pipeline.microbatches=null"]
+        if any(n > 1 for n in self.dcn.values()):
+            out.append("mesh.dcn={" + ",".join(f"{a}: {n}" for a, n in self.dcn.items() if n > 1) + "}")
+        return out
+
+    def config(self, cfg: Config) -> Config:
+        """`cfg` with this layout (validated like any config)."""
+        return make_config(cfg.model_dump(mode="json"), self.overrides())
+
+    def label(self) -> str:
+        mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "1 device"
+        extra = f" zero={self.zero_stage} remat={self.remat} accum={self.grad_accum}"
+        if self.size("pipeline") > 1:
+            extra += f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+        return mesh + extra
+
+    @classmethod
+    def of_config(cls, cfg: Config, devices: int) -> "Layout":
+        """The layout a resolved config describes on `devices` devices."""
+        from jaxpar.mesh import resolve_sizes
+        sizes = resolve_sizes(cfg.mesh, devices)
+        t = cfg.train
+        return cls({a: sizes[a] for a in MESH_AXES}, cfg.sharding.zero_stage, t.remat, t.grad_accum,
+                   cfg.pipeline.schedule, cfg.pipeline.virtual_stages, dict(cfg.mesh.dcn))
+
+
+def abstract_plan(cfg: Config, layout: Layout) -> Plan:
+    """The sharding plan of `layout` on a mesh without devices (shapes only: any cluster size)."""
+    names = tuple(MESH_AXES)
+    mesh = jax.sharding.AbstractMesh(tuple(layout.size(a) for a in names), names)
+    return Plan(mesh, cfg.sharding.resolved_rules(), layout.zero_stage, cfg.sharding.replicated_tolerance)

@@ -1,0 +1,193 @@
+"""Per-device memory of a layout, term by term, from first principles.
+
+    state       params, optimizer state (mu, nu, float32 masters) under the plan's specs: exact
+                (the same Plan.spec the step uses, on a device-less mesh)
+    grads       the gradient the step holds (ZeRO-2/3: its fsdp shard), in float32 when
+                microbatches are accumulated; plus one microbatch's unsharded gradient with
+                accumulation
+    update      the optimizer's transients (Adam's update of the optimizer shard, float32)
+    gathered    ZeRO-3: the embedding/head and two layers' weights gathered at once
+    activations what the backward keeps, per token and layer, by remat policy and attention
+                implementation, for the tokens of one microbatch on a device; a pipeline stage
+                (which recomputes its forward in the backward) keeps only each in-flight
+                microbatch's input (gpipe: m of them, 1f1b: min(p, m))
+    working     what is live while a backward recomputes: a share of one layer's activations
+                (remat), a whole stage's for one microbatch (pipeline)
+    logits      float32 [tokens, vocab / tensor] logits, their softmax and gradient
+                (train.loss_chunk: only a chunk's)
+
+Per token and layer (compute dtype bytes c, D model dim, hd head dim, H and K query and KV
+heads, F the MLP width, t = mesh.tensor, S the sequence length; tensor-parallel parts / t):
+    see KEPT: elements of each kind kept per token and layer, measured on XLA:CPU
+D-sized terms are / t as well with sharding.sequence_parallel.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxpar.config import Config
+from jaxpar.planner.layout import Layout, abstract_plan
+from jaxpar.sharding import Plan, entry_axes
+from jaxpar.train.precision import DTYPES, has_masters
+
+ADAM_TRANSIENT = 1.0     # float32 copies of the optimizer shard Adam's update holds at once
+WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
+LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
+
+
+def itemsize(name: str) -> int:
+    return np.dtype(DTYPES[name]).itemsize
+
+
+def state_itemsizes(cfg: Config) -> dict[str, int]:
+    """Bytes per param of params, of the gradient as the step holds it, and of AdamW's state."""
+    t = cfg.train
+    opt = (itemsize(t.master_dtype) if has_masters(t) else 0) + itemsize(cfg.optimizer.mu_dtype) + 4
+    grads = 4 if t.grad_accum > 1 else itemsize(t.grad_reduce_dtype)
+    return {"params": itemsize(t.param_dtype), "grads": grads, "opt_state": opt}
+
+
+def shard_elems(plan: Plan, axes, shape, use: str) -> int:
+    spec = plan.spec(axes, shape, use)
+    mesh = plan.mesh.shape
+    n = 1
+    for d, e in zip(shape, (*spec, *(None,) * (len(shape) - len(spec)))):
+        n *= d // math.prod(mesh[a] for a in entry_axes(e))
+    return n
+
+
+def _leaves(model):
+    return list(zip(jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, tuple)),
+                    jax.tree.leaves(model.shapes)))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the activation terms need of a model config."""
+
+    dim: int
+    head_dim: int
+    heads: int
+    kv_heads: int
+    ffn: int          # MLP width per token (MoE: top_k experts' widths, plus a shared expert)
+    layers: int
+    vocab: int
+
+    @classmethod
+    def of(cls, m) -> "ModelShape":
+        ffn = m.ffn_dim
+        if m.moe.num_experts:  # every_n-th layer is MoE: average the per-token width
+            moe_ffn = m.moe.top_k * (m.moe.expert_ffn_dim or m.ffn_dim) * m.moe.capacity_factor
+            if m.moe.shared_expert:
+                moe_ffn += m.moe.shared_ffn_dim or m.ffn_dim
+            ffn = ((m.moe.every_n - 1) * m.ffn_dim + moe_ffn) / m.moe.every_n
+        return cls(m.dim, m.resolved_head_dim, m.n_heads, m.n_kv_heads, int(ffn), m.n_layers, m.vocab_size)
+
+
+def attention_impl(cfg: Config) -> str:
+    from jaxpar.attention import resolve
+    m = cfg.model
+    return resolve(m.attention, platform="cpu", dtype=DTYPES[cfg.train.compute_dtype], seq_len=cfg.train.seq_len,
+                   head_dim=m.resolved_head_dim, threshold=m.attention_threshold)
+
+
+# Measured on XLA:CPU (jax 0.12, f32, tests/test_planner.py's layouts) per token and layer:
+# elements kept of each kind. Tensor parallelism without sequence parallelism materialises
+# more full-width [tokens, D] tensors (the all-reduced outputs, their float32 norms).
+KEPT = {
+    "none": {"d": 1.0, "d_tp": 8.0, "heads": 3.0, "mlp": 6.0, "scores": 2.3},
+    "dots_saveable": {"d": 0.0, "d_tp": 2.0, "heads": 1.0, "mlp": 2.0, "scores": 1.0},
+    "full": {"d": 1.0, "d_tp": 1.0, "heads": 0.0, "mlp": 0.0, "scores": 0.0},
+}
+KEPT["dots_with_no_batch_dims_saveable"] = KEPT["dots_saveable"]
+
+
+def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, xla_attention: bool,
+                          sequence_parallel: bool) -> float:
+    """Bytes the backward keeps per token per layer under `remat` (see the module doc)."""
+    k = KEPT[remat]
+    d = ms.dim / t if sequence_parallel else ms.dim
+    d_copies = k["d"] if t == 1 or sequence_parallel else k["d_tp"]
+    heads = (ms.heads + ms.kv_heads) * ms.head_dim / t
+    scores = ms.heads * seq / t if xla_attention else 0.0  # float32 [heads, keys] per query token
+    return c * (d_copies * d + k["heads"] * heads + k["mlp"] * ms.ffn / t) + 4 * k["scores"] * scores
+
+
+def in_flight(layout: Layout, microbatches: int) -> int:
+    """Microbatches whose activations a pipeline stage holds at its peak."""
+    p = layout.size("pipeline")
+    if p == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return microbatches
+    return min(p, microbatches) if layout.virtual_stages == 1 else min(p * layout.virtual_stages, microbatches)
+
+
+def estimate(cfg: Config, layout: Layout, model) -> dict[str, float]:
+    """Per-device bytes by term (module doc); `model` a jaxpar.train.model.ModelDef of cfg.model.
+    'total' is what the compiled step needs: its arguments plus its temporaries."""
+    plan = abstract_plan(cfg, layout)
+    sizes = state_itemsizes(cfg)
+    t = cfg.train
+    c = itemsize(t.compute_dtype)
+    out = {k: 0.0 for k in ("params", "opt_state", "grads", "update", "gathered", "activations", "working",
+                            "logits", "batch")}
+    stacked_full = 0.0  # one layer's params, gathered (ZeRO-3), per device
+    top_full = 0.0      # the embedding / head / final norm, gathered
+    grad_full = 0.0     # one microbatch's gradient before any fsdp scatter
+    for axes, sds in _leaves(model):
+        shape = sds.shape
+        out["params"] += shard_elems(plan, axes, shape, "param") * sizes["params"]
+        out["opt_state"] += shard_elems(plan, axes, shape, "opt") * sizes["opt_state"]
+        out["grads"] += shard_elems(plan, axes, shape, "grad") * sizes["grads"]
+        out["update"] += shard_elems(plan, axes, shape, "opt") * 4 * ADAM_TRANSIENT
+        no_fsdp = _without_fsdp(plan, axes, shape)
+        grad_full += no_fsdp * 4
+        if axes[:1] == ("layers",):  # one layer of this device's stage
+            stacked_full += no_fsdp / (shape[0] / layout.size("pipeline")) * c
+        else:
+            top_full += no_fsdp * c
+    if t.grad_accum > 1 or layout.size("pipeline") > 1:
+        out["grads"] += grad_full if layout.zero_stage >= 2 else 0.0
+    if layout.zero_stage >= 3 and layout.size("fsdp") > 1:
+        out["gathered"] = top_full + 2 * stacked_full
+    ms = ModelShape.of(cfg.model)
+    batch_div = plan.batch_size_divisor
+    microbatches = t.grad_accum if layout.size("pipeline") == 1 else (cfg.pipeline.microbatches or t.grad_accum)
+    seqs = t.global_batch / batch_div / microbatches
+    tokens = seqs * t.seq_len
+    tp = layout.size("tensor")
+    xla = attention_impl(cfg) == "xla"
+    sp = cfg.sharding.sequence_parallel
+    layers = ms.layers / layout.size("pipeline")
+    full = per_token_layer_bytes(ms, "none", c, tp, t.seq_len, xla, sp)
+    if layout.size("pipeline") > 1:
+        # The pipeline's backward recomputes its stage's forward: a stage keeps each in-flight
+        # microbatch's input, and holds one microbatch's stage activations while it runs a backward.
+        out["activations"] = tokens * ms.dim * c * in_flight(layout, microbatches)
+        out["working"] = tokens * (layers + 0.5) * (full if layout.remat == "none" else
+                                                    per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len,
+                                                                          xla, sp) + WORKING * full / layers)
+    else:
+        out["activations"] = tokens * layers * per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp)
+        if layout.remat != "none":
+            out["working"] = WORKING * tokens * full
+    loss_tokens = min(tokens, t.loss_chunk * seqs) if t.loss_chunk else tokens
+    out["logits"] = loss_tokens * ms.vocab / tp * 4 * LOGIT_COPIES
+    out["batch"] = t.global_batch / batch_div * (t.seq_len + 1) * 4
+    out["total"] = sum(out.values())
+    return out
+
+
+def _without_fsdp(plan: Plan, axes, shape) -> int:
+    """Elements per device of a param sharded by every rule but fsdp (a ZeRO-3 gather's result)."""
+    spec = plan.spec(axes, shape, "act")
+    mesh = plan.mesh.shape
+    n = 1
+    for d, e in zip(shape, (*spec, *(None,) * (len(shape) - len(spec)))):
+        n *= d // math.prod(mesh[a] for a in entry_axes(e) if a != "fsdp")
+    return n
