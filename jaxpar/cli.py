@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="pipeline: draw the timetable")
     b.set_defaults(fn=_bench)
+    from jaxpar.planner.cli import add_parser as add_plan_parser
+    add_plan_parser(sub)
     pl = sub.add_parser("plot", help="PNGs of loss, throughput and MFU vs step (several runs overlaid)")
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     pl.add_argument("-o", "--out", default=None, help="where the PNGs go (default: the first RUN_DIR)")

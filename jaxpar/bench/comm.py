@@ -34,11 +34,9 @@ The rough formula is the same for the whole model with Psi params (4 bytes each)
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
 
-import jax
 import numpy as np
 
 from jaxpar.bench.common import (describe_config, fmt_bytes, fmt_ratio, mesh_overrides, ratio, table,
@@ -47,7 +45,8 @@ from jaxpar.config import Config
 from jaxpar.mesh import describe
 from jaxpar.metrics import COLLECTIVE_KINDS, collective_ops
 from jaxpar.metrics.hlo import group_size
-from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes
+from jaxpar.planner.comm import grad_sync_bytes as analytic, wire_bytes
+from jaxpar.sharding import ZERO_AXIS
 from jaxpar.train.precision import DTYPES
 from jaxpar.train.trainer import Trainer
 
@@ -56,20 +55,6 @@ DP_LAYOUT: list[str] = [*mesh_overrides(data=-1), "sharding.zero_stage=0"]
 STAGES = (0, 1, 2, 3)
 
 # --------------------------------------------------------------------------- wire bytes
-
-
-def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
-    """Ring-algorithm bytes sent per device for one op of `kind` over a group of n devices."""
-    if n <= 1:
-        return 0.0
-    f = (n - 1) / n
-    if kind == "all-reduce":
-        return 2 * f * result_bytes
-    if kind == "reduce-scatter":
-        return f * result_bytes * n  # input = n * result
-    if kind == "collective-permute":
-        return float(result_bytes)
-    return f * result_bytes  # all-gather (result = gathered), all-to-all
 
 
 def measured(hlo_text: str, n_devices: int) -> dict[str, dict]:
@@ -89,46 +74,6 @@ def measured(hlo_text: str, n_devices: int) -> dict[str, dict]:
 
 
 # --------------------------------------------------------------------------- analytic
-
-
-def analytic(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_itemsize: int,
-             compute_itemsize: int, grad_itemsize: int | None = None) -> dict[str, dict]:
-    """The minimum per-device result and wire bytes per kind for `plan` (see module doc);
-    gradients reduced in `grad_itemsize` bytes (train.grad_reduce_dtype; default param_itemsize)."""
-    gsz = grad_itemsize or param_itemsize
-    mesh = plan.mesh.shape
-    batch = tuple(a for a in plan.batch_axes if mesh[a] > 1)
-    size = lambda axes: math.prod(mesh[a] for a in axes)
-    out = {k: {"result_bytes": 0.0, "wire_bytes": 0.0} for k in COLLECTIVE_KINDS}
-
-    def add(kind, result, n, times=1):
-        if n > 1:
-            out[kind]["result_bytes"] += times * result
-            out[kind]["wire_bytes"] += times * wire_bytes(kind, result, n)
-
-    leaves = zip(jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple)),
-                 jax.tree.leaves(shapes_tree))
-    for ax, sds in leaves:
-        shape = sds.shape
-        full = plan.spec(ax, shape, "act")  # every mesh axis the rules give this param
-        local = [d // size(tuple(a for a in entry_axes(e) if a not in batch))
-                 for d, e in zip(shape, (*full, *(None,) * (len(shape) - len(full))))]
-        elems = math.prod(local)
-        opt = plan.spec(ax, shape, "opt")
-        z = tuple(a for e in opt for a in entry_axes(e) if a in batch)
-        nz, rest = size(z), tuple(a for a in batch if a not in z)
-        if plan.zero_stage == 0 or nz == 1:
-            add("all-reduce", elems * gsz, size(batch))
-        elif plan.zero_stage in (1, 2):
-            add("reduce-scatter", elems * gsz / nz, nz, grad_accum if plan.zero_stage == 2 else 1)
-            add("all-reduce", elems * gsz / nz, size(rest))
-            add("all-gather", elems * param_itemsize, nz)
-        else:
-            L = elems * compute_itemsize
-            add("all-gather", L, nz, 2 * grad_accum)
-            add("reduce-scatter", elems * gsz / nz, nz, grad_accum)
-            add("all-reduce", elems * gsz / nz, size(rest))
-    return out
 
 
 def rough(n_params: int, n: int, stage: int, grad_accum: int,

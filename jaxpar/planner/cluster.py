@@ -10,6 +10,7 @@ this machine.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,10 +39,13 @@ class Efficiency(_Strict):
                                                         "behind the backward")
     gather_overlap: float = Field(0.7, ge=0, le=1, description="fraction of ZeRO-3 gather time hidden "
                                                                "behind the layer compute")
+    layer_overhead_us: float = Field(20.0, ge=0, description="fixed cost per layer and microbatch "
+                                                             "(kernel launches, loop steps)")
 
 
 class Cluster(_Strict):
     name: str
+    platform: Literal["cpu", "gpu", "tpu"]
     devices_per_host: int = Field(gt=0)
     hosts: int = Field(1, gt=0)
     memory_gib: float = Field(gt=0, description="memory per device usable by one process")

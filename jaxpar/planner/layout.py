@@ -20,7 +20,13 @@ class Layout:
     grad_accum: int = 1
     schedule: str = "1f1b"        # pipeline.schedule (used when mesh.pipeline > 1)
     virtual_stages: int = 1
+    microbatches: int | None = None  # pipeline.microbatches; None: grad_accum
     dcn: dict[str, int] = field(default_factory=dict)  # the across-hosts part of each axis
+
+    @property
+    def micro(self) -> int:
+        """Microbatches per step (the accumulation scan's, or the pipeline's)."""
+        return (self.microbatches or self.grad_accum) if self.size("pipeline") > 1 else self.grad_accum
 
     @property
     def devices(self) -> int:
@@ -35,7 +41,7 @@ class Layout:
                 f"train.grad_accum={self.grad_accum}"]
         if self.size("pipeline") > 1:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
-                    "pipeline.microbatches=null"]
+                    f"pipeline.microbatches={self.microbatches or 'null'}"]
         if any(n > 1 for n in self.dcn.values()):
             out.append("mesh.dcn={" + ",".join(f"{a}: {n}" for a, n in self.dcn.items() if n > 1) + "}")
         return out
@@ -58,7 +64,8 @@ class Layout:
         sizes = resolve_sizes(cfg.mesh, devices)
         t = cfg.train
         return cls({a: sizes[a] for a in MESH_AXES}, cfg.sharding.zero_stage, t.remat, t.grad_accum,
-                   cfg.pipeline.schedule, cfg.pipeline.virtual_stages, dict(cfg.mesh.dcn))
+                   cfg.pipeline.schedule, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches,
+                   dict(cfg.mesh.dcn))
 
 
 def abstract_plan(cfg: Config, layout: Layout) -> Plan:

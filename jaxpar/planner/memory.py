@@ -43,11 +43,11 @@ def itemsize(name: str) -> int:
     return np.dtype(DTYPES[name]).itemsize
 
 
-def state_itemsizes(cfg: Config) -> dict[str, int]:
+def state_itemsizes(cfg: Config, grad_accum: int | None = None) -> dict[str, int]:
     """Bytes per param of params, of the gradient as the step holds it, and of AdamW's state."""
     t = cfg.train
     opt = (itemsize(t.master_dtype) if has_masters(t) else 0) + itemsize(cfg.optimizer.mu_dtype) + 4
-    grads = 4 if t.grad_accum > 1 else itemsize(t.grad_reduce_dtype)
+    grads = 4 if (grad_accum or t.grad_accum) > 1 else itemsize(t.grad_reduce_dtype)
     return {"params": itemsize(t.param_dtype), "grads": grads, "opt_state": opt}
 
 
@@ -127,15 +127,23 @@ def in_flight(layout: Layout, microbatches: int) -> int:
     return min(p, microbatches) if layout.virtual_stages == 1 else min(p * layout.virtual_stages, microbatches)
 
 
-def estimate(cfg: Config, layout: Layout, model) -> dict[str, float]:
-    """Per-device bytes by term (module doc); `model` a jaxpar.train.model.ModelDef of cfg.model.
-    'total' is what the compiled step needs: its arguments plus its temporaries."""
+def estimate(cfg: Config, layout: Layout, model, state: dict | None = None) -> dict[str, float]:
+    """Per-device bytes by term (module doc); `model` a jaxpar.train.model.ModelDef of cfg.model;
+    `state`: state_terms of this layout when already known (the search caches them). 'total' is
+    what the compiled step needs: its arguments plus its temporaries."""
+    out = dict(state if state is not None else state_terms(cfg, layout, model))
+    out.update(activation_terms(cfg, layout))
+    out["total"] = sum(out.values())
+    return out
+
+
+def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
+    """params, opt_state, grads, update, gathered: what depends on the mesh, ZeRO stage and
+    whether microbatches are accumulated, not on remat or the schedule."""
     plan = abstract_plan(cfg, layout)
-    sizes = state_itemsizes(cfg)
-    t = cfg.train
-    c = itemsize(t.compute_dtype)
-    out = {k: 0.0 for k in ("params", "opt_state", "grads", "update", "gathered", "activations", "working",
-                            "logits", "batch")}
+    sizes = state_itemsizes(cfg, layout.micro)
+    c = itemsize(cfg.train.compute_dtype)
+    out = {k: 0.0 for k in ("params", "opt_state", "grads", "update", "gathered")}
     stacked_full = 0.0  # one layer's params, gathered (ZeRO-3), per device
     top_full = 0.0      # the embedding / head / final norm, gathered
     grad_full = 0.0     # one microbatch's gradient before any fsdp scatter
@@ -151,13 +159,21 @@ def estimate(cfg: Config, layout: Layout, model) -> dict[str, float]:
             stacked_full += no_fsdp / (shape[0] / layout.size("pipeline")) * c
         else:
             top_full += no_fsdp * c
-    if t.grad_accum > 1 or layout.size("pipeline") > 1:
-        out["grads"] += grad_full if layout.zero_stage >= 2 else 0.0
+    if layout.micro > 1 and layout.zero_stage >= 2:
+        out["grads"] += grad_full
     if layout.zero_stage >= 3 and layout.size("fsdp") > 1:
         out["gathered"] = top_full + 2 * stacked_full
+    return out
+
+
+def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
+    """activations, working, logits, batch (module doc)."""
+    t = cfg.train
+    c = itemsize(t.compute_dtype)
+    out = {}
     ms = ModelShape.of(cfg.model)
-    batch_div = plan.batch_size_divisor
-    microbatches = t.grad_accum if layout.size("pipeline") == 1 else (cfg.pipeline.microbatches or t.grad_accum)
+    batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
+    microbatches = layout.micro
     seqs = t.global_batch / batch_div / microbatches
     tokens = seqs * t.seq_len
     tp = layout.size("tensor")
@@ -165,21 +181,19 @@ def estimate(cfg: Config, layout: Layout, model) -> dict[str, float]:
     sp = cfg.sharding.sequence_parallel
     layers = ms.layers / layout.size("pipeline")
     full = per_token_layer_bytes(ms, "none", c, tp, t.seq_len, xla, sp)
+    kept = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp)
     if layout.size("pipeline") > 1:
         # The pipeline's backward recomputes its stage's forward: a stage keeps each in-flight
         # microbatch's input, and holds one microbatch's stage activations while it runs a backward.
         out["activations"] = tokens * ms.dim * c * in_flight(layout, microbatches)
         out["working"] = tokens * (layers + 0.5) * (full if layout.remat == "none" else
-                                                    per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len,
-                                                                          xla, sp) + WORKING * full / layers)
+                                                    kept + WORKING * full / layers)
     else:
-        out["activations"] = tokens * layers * per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp)
-        if layout.remat != "none":
-            out["working"] = WORKING * tokens * full
+        out["activations"] = tokens * layers * kept
+        out["working"] = WORKING * tokens * full if layout.remat != "none" else 0.0
     loss_tokens = min(tokens, t.loss_chunk * seqs) if t.loss_chunk else tokens
     out["logits"] = loss_tokens * ms.vocab / tp * 4 * LOGIT_COPIES
     out["batch"] = t.global_batch / batch_div * (t.seq_len + 1) * 4
-    out["total"] = sum(out.values())
     return out
 
 

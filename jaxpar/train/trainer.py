@@ -42,8 +42,9 @@ class TrainingStopped(ConfigError):
     """The run cannot go on as configured (e.g. train.max_nonfinite bad steps in a row)."""
 
 
-def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
-    """User mistakes that would otherwise surface as deep JAX errors."""
+def check_layout(cfg: Config, plan: Plan, check_model: bool = True, platform: str | None = None) -> None:
+    """User mistakes that would otherwise surface as deep JAX errors. `platform`: the devices'
+    (default: the plan's mesh's; the planner checks layouts on a mesh without devices)."""
     shape = plan.mesh.shape
     m, t = cfg.model, cfg.train
     if check_model and shape["tensor"] > 1:
@@ -55,7 +56,7 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
                 )
     if check_model:
         check_experts(m, shape)
-        check_attention(m.attention, plan.mesh.devices.flat[0].platform, t.compute_dtype)
+        check_attention(m.attention, platform or plan.mesh.devices.flat[0].platform, t.compute_dtype)
     if shape.get("pipeline", 1) > 1:
         check_pipeline_layout(cfg, plan, check_model)
     dp = plan.batch_size_divisor

@@ -1,0 +1,89 @@
+"""`jaxpar plan CONFIG --cluster NAME|FILE [--devices N] [--top K] [--layout mesh.x=..] [--explain]
+[--json]`, `jaxpar plan calibrate [-o FILE]`, `jaxpar plan fit RUN_DIRS... --cluster C [-o FILE]`."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from jaxpar.config import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the automatic parallel planner: best layouts for a config on a cluster "
+                                    "(also: plan calibrate, plan fit RUN_DIRS)")
+    p.add_argument("target", nargs="+", help="CONFIG [overrides...] | calibrate | fit RUN_DIR...")
+    p.add_argument("--cluster", default=None, help="a preset (see jaxpar/planner/clusters) or a YAML file")
+    p.add_argument("--devices", type=int, default=None, help="devices to plan for (default: the cluster's)")
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--layout", action="append", default=[], metavar="mesh.x=N",
+                   help="score only layouts with these settings (mesh.*, sharding.zero_stage, train.remat, "
+                        "train.grad_accum, pipeline.schedule); repeatable")
+    p.add_argument("--explain", action="store_true", help="break the best plan into its terms")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("-o", "--output", default=None, help="calibrate / fit: the cluster file to write")
+    p.set_defaults(fn=run)
+
+
+LAYOUT_KEYS = {"sharding.zero_stage": "zero_stage", "train.remat": "remat", "train.grad_accum": "grad_accum",
+               "pipeline.schedule": "schedule", "pipeline.virtual_stages": "virtual_stages"}
+
+
+def parse_layout(items: list[str]) -> tuple[dict[str, int], dict]:
+    """--layout settings -> (fixed mesh sizes, fixed step options); one clear error for a bad one."""
+    import yaml
+    from jaxpar.config import MESH_AXES
+    mesh, opts = {}, {}
+    for item in items:
+        for part in item.split():
+            if "=" not in part:
+                raise ConfigError(f"--layout {part!r}: expected key=value, e.g. mesh.tensor=8")
+            key, raw = part.split("=", 1)
+            value = yaml.safe_load(raw)
+            if key.startswith("mesh.") and key[5:] in MESH_AXES:
+                if not isinstance(value, int) or value < 1:
+                    raise ConfigError(f"--layout {key}={raw!r}: a mesh size must be a positive integer")
+                mesh[key[5:]] = value
+            elif key in LAYOUT_KEYS:
+                opts[LAYOUT_KEYS[key]] = value
+            else:
+                valid = [f"mesh.{a}" for a in MESH_AXES] + list(LAYOUT_KEYS)
+                raise ConfigError(f"--layout {key!r} is not a layout setting; valid: {', '.join(valid)}")
+    return mesh, opts
+
+
+def run(args: argparse.Namespace) -> int:
+    head = args.target[0]
+    if head == "calibrate":
+        from jaxpar.planner.calibrate import calibrate
+        cluster = calibrate()
+        text = cluster.to_yaml()
+        if args.output:
+            open(args.output, "w").write(text)
+        print(text, end="")
+        return 0
+    if args.cluster is None:
+        raise ConfigError("jaxpar plan: --cluster is required (a preset name or a cluster YAML file)")
+    from jaxpar.planner.cluster import load_cluster
+    cluster = load_cluster(args.cluster)
+    if args.devices:
+        cluster = cluster.with_devices(args.devices)
+    if head == "fit":
+        from jaxpar.planner.fit import fit_cluster
+        fitted, report = fit_cluster(cluster, args.target[1:])
+        if args.output:
+            open(args.output, "w").write(fitted.to_yaml())
+        print(json.dumps(report, indent=2) if args.json else report["text"])
+        return 0
+    from jaxpar.config import load_config
+    from jaxpar.planner.report import format_result, to_json
+    from jaxpar.planner.search import search
+    from jaxpar.train.builtin import llama_model_factory
+    from jaxpar.train.model import ModelDef
+    cfg = load_config(head, args.target[1:])
+    mesh, opts = parse_layout(args.layout)
+    result = search(cfg, cluster, ModelDef.from_factory(llama_model_factory(cfg)), fixed=mesh, options_fixed=opts)
+    if args.json:
+        print(json.dumps(to_json(result, args.top, args.explain), indent=2))
+    else:
+        print(format_result(result, args.top, f"{cluster.name} ({cluster.devices} devices)", args.explain))
+    return 0 if result.ranked else 1

@@ -1,0 +1,176 @@
+"""Bytes per collective kind the train step issues, per device and step, and their time.
+
+Two conventions (the same as `jaxpar bench comm`, which checks them against the compiled HLO):
+result bytes = the op's result on one device; wire bytes = what a ring algorithm sends per
+device over a group of N:  all-reduce 2(N-1)/N S,  all-gather (N-1)/N S_out,
+reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
+
+  gradient sync   exact per param for the plan's specs and ZeRO stage (grad_sync_bytes: the
+                  data-parallel all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3's
+                  per-microbatch gathers forward and backward)
+  tensor          Megatron activations [tokens, D] per layer and microbatch: 2 all-reduces in the
+                  forward and, as XLA partitions the backward, TP_BACKWARD_ALL_REDUCES there
+                  (sequence parallel: an all-gather + reduce-scatter pair each instead), + 2 at
+                  the embedding/head; remat "full" repeats the forward's
+  pipeline        a collective-permute of a microbatch's stage activations forward and of its
+                  gradient backward on every tick (m + p - 1 of each: idle ticks send too)
+  expert          4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and
+                  backward) of top_k x capacity_factor x tokens x D
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jaxpar.metrics import COLLECTIVE_KINDS
+from jaxpar.sharding import Plan, entry_axes
+
+TP_BACKWARD_ALL_REDUCES = 5  # per layer, measured on XLA:CPU's partitioning of the backward
+
+
+def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
+    """Ring-algorithm bytes sent per device for one op of `kind` over a group of n devices."""
+    if n <= 1:
+        return 0.0
+    f = (n - 1) / n
+    if kind == "all-reduce":
+        return 2 * f * result_bytes
+    if kind == "reduce-scatter":
+        return f * result_bytes * n  # input = n * result
+    if kind == "collective-permute":
+        return float(result_bytes)
+    return f * result_bytes  # all-gather (result = gathered), all-to-all
+
+
+def grad_sync_bytes(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_itemsize: int,
+             compute_itemsize: int, grad_itemsize: int | None = None) -> dict[str, dict]:
+    """The minimum per-device result and wire bytes per kind for `plan` (see module doc);
+    gradients reduced in `grad_itemsize` bytes (train.grad_reduce_dtype; default param_itemsize)."""
+    gsz = grad_itemsize or param_itemsize
+    mesh = plan.mesh.shape
+    batch = tuple(a for a in plan.batch_axes if mesh[a] > 1)
+    size = lambda axes: math.prod(mesh[a] for a in axes)
+    out = {k: {"result_bytes": 0.0, "wire_bytes": 0.0} for k in COLLECTIVE_KINDS}
+
+    def add(kind, result, n, times=1):
+        if n > 1:
+            out[kind]["result_bytes"] += times * result
+            out[kind]["wire_bytes"] += times * wire_bytes(kind, result, n)
+
+    leaves = zip(jax.tree.leaves(axes_tree, is_leaf=lambda x: isinstance(x, tuple)),
+                 jax.tree.leaves(shapes_tree))
+    for ax, sds in leaves:
+        shape = sds.shape
+        full = plan.spec(ax, shape, "act")  # every mesh axis the rules give this param
+        local = [d // size(tuple(a for a in entry_axes(e) if a not in batch))
+                 for d, e in zip(shape, (*full, *(None,) * (len(shape) - len(full))))]
+        elems = math.prod(local)
+        opt = plan.spec(ax, shape, "opt")
+        z = tuple(a for e in opt for a in entry_axes(e) if a in batch)
+        nz, rest = size(z), tuple(a for a in batch if a not in z)
+        if plan.zero_stage == 0 or nz == 1:
+            add("all-reduce", elems * gsz, size(batch))
+        elif plan.zero_stage in (1, 2):
+            add("reduce-scatter", elems * gsz / nz, nz, grad_accum if plan.zero_stage == 2 else 1)
+            add("all-reduce", elems * gsz / nz, size(rest))
+            add("all-gather", elems * param_itemsize, nz)
+        else:
+            L = elems * compute_itemsize
+            add("all-gather", L, nz, 2 * grad_accum)
+            add("reduce-scatter", elems * gsz / nz, nz, grad_accum)
+            add("all-reduce", elems * gsz / nz, size(rest))
+    return out
+
+
+
+
+def add_op(out: dict, kind: str, result: float, n: int, times: float = 1, link: str = "intra") -> None:
+    """Count `times` ops of `kind` with `result` bytes over a group of n devices."""
+    if n > 1 and times > 0:
+        row = out.setdefault(kind, {"result_bytes": 0.0, "wire_bytes": 0.0, "ops": 0.0, "steps": 0.0,
+                                    "links": {}})
+        row["result_bytes"] += times * result
+        wire = times * wire_bytes(kind, result, n)
+        row["wire_bytes"] += wire
+        row["ops"] += times
+        row["links"][link] = row["links"].get(link, 0.0) + wire
+        # ring steps (latency terms): all-reduce 2(N-1), gathers/scatters N-1, permute 1
+        row["steps"] += times * (2 * (n - 1) if kind == "all-reduce" else 1 if kind == "collective-permute"
+                                 else n - 1)
+
+
+def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) -> dict[str, dict]:
+    """Per kind: result / wire bytes, ops and ring steps per device per step, with the wire bytes
+    split by link ("intra" / "inter" host, by the layout's dcn factors), grouped by purpose
+    under key "purpose" -> {grad_sync, zero3_gather, tensor, pipeline, expert: wire bytes}.
+    `cache` keeps the gradient sync's bytes per mesh, ZeRO stage and microbatch count."""
+    from jaxpar.planner.memory import itemsize
+    t, m = cfg.train, cfg.model
+    out: dict = {}
+    purpose = {"grad_sync": 0.0, "zero3_gather": 0.0, "tensor": 0.0, "pipeline": 0.0, "expert": 0.0}
+    link = lambda axes: "inter" if any(layout.dcn.get(a, 1) > 1 for a in axes) else "intra"
+
+    # gradient sync (and ZeRO-3's gathers): exact per param
+    mesh = plan.mesh.shape
+    batch = tuple(a for a in plan.batch_axes if mesh[a] > 1)
+    accum = layout.micro
+    key = (tuple(mesh.items()), plan.zero_stage, accum)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = grad_sync_bytes(plan, model.axes, model.shapes, grad_accum=accum,
+                                     param_itemsize=itemsize(t.param_dtype),
+                                     compute_itemsize=itemsize(t.compute_dtype),
+                                     grad_itemsize=itemsize(t.grad_reduce_dtype))
+    sync = cache[key]
+    for kind, row in sync.items():
+        if row["result_bytes"]:
+            before = out.get(kind, {}).get("wire_bytes", 0.0)
+            # the group: the batch axes (ZeRO's over fsdp; close enough for the link choice)
+            n = math.prod(mesh[a] for a in batch) if kind == "all-reduce" else mesh.get("fsdp", 1)
+            n = max(n, 2)
+            row_out = out.setdefault(kind, {"result_bytes": 0.0, "wire_bytes": 0.0, "ops": 0.0, "steps": 0.0,
+                                            "links": {}})
+            row_out["result_bytes"] += row["result_bytes"]
+            row_out["wire_bytes"] += row["wire_bytes"]
+            lk = link(batch if kind == "all-reduce" else ("fsdp",))
+            row_out["links"][lk] = row_out["links"].get(lk, 0.0) + row["wire_bytes"]
+            ops = len(jax.tree.leaves(model.shapes)) * (2 * accum if kind == "all-gather" and plan.zero_stage >= 3
+                                                        else accum if kind == "reduce-scatter" and
+                                                        plan.zero_stage >= 2 else 1)
+            row_out["ops"] += ops
+            row_out["steps"] += ops * (2 * (n - 1) if kind == "all-reduce" else n - 1)
+            gathered = plan.zero_stage >= 3 and kind == "all-gather"
+            purpose["zero3_gather" if gathered else "grad_sync"] += row_out["wire_bytes"] - before
+
+    c = itemsize(t.compute_dtype)
+    micro = layout.micro
+    tokens = t.global_batch / plan.batch_size_divisor / micro * t.seq_len  # per device, one microbatch
+    act = tokens * m.dim * c
+    layers = m.n_layers / layout.size("pipeline")
+    tp = layout.size("tensor")
+    if tp > 1:
+        before = sum(r["wire_bytes"] for r in out.values())
+        fwd = 2 * (2 if layout.remat == "full" else 1)
+        per_layer = fwd + TP_BACKWARD_ALL_REDUCES
+        lk = link(("tensor",))
+        if cfg.sharding.sequence_parallel:
+            add_op(out, "all-gather", act, tp, micro * (layers * per_layer + 2), lk)
+            add_op(out, "reduce-scatter", act / tp, tp, micro * (layers * per_layer + 2), lk)
+        else:
+            add_op(out, "all-reduce", act, tp, micro * (layers * per_layer + 2), lk)
+        purpose["tensor"] = sum(r["wire_bytes"] for r in out.values()) - before
+    p = layout.size("pipeline")
+    if p > 1:
+        before = sum(r["wire_bytes"] for r in out.values())
+        ticks = micro + p - 1  # today's runner sends on every tick, idle ones too (zeros)
+        add_op(out, "collective-permute", act, p, 2 * ticks, link(("pipeline",)))
+        purpose["pipeline"] = sum(r["wire_bytes"] for r in out.values()) - before
+    e = layout.size("expert")
+    if e > 1 and m.moe.num_experts:
+        before = sum(r["wire_bytes"] for r in out.values())
+        moe_layers = layers / m.moe.every_n
+        add_op(out, "all-to-all", act * m.moe.top_k * m.moe.capacity_factor, e, 4 * micro * moe_layers,
+               link(("expert",)))
+        purpose["expert"] = sum(r["wire_bytes"] for r in out.values()) - before
+    return {"kinds": out, "purpose": purpose}

@@ -1,0 +1,189 @@
+"""Enumerate the layouts of a model on a cluster, reject the invalid ones for the reason the
+config checks give (or the memory budget), and rank the rest by predicted step time."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxpar.config import MESH_AXES, Config, ConfigError
+from jaxpar.planner.cluster import Cluster
+from jaxpar.planner.comm import step_collectives
+from jaxpar.planner.layout import Layout, abstract_plan
+from jaxpar.planner.memory import estimate, state_terms
+from jaxpar.planner.timing import StepTime, step_time
+from jaxpar.sharding import check_replication
+from jaxpar.train.precision import DTYPES
+
+REMATS = ("none", "dots_saveable", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+HEADROOM = 0.9  # of device memory the plan may use (allocator fragmentation, XLA's own buffers)
+# which axes cross hosts first: data parallel replicas are the cheapest to split over slow links
+DCN_ORDER = ("data", "pipeline", "fsdp", "expert", "tensor")
+
+
+@dataclass(frozen=True)
+class Scored:
+    layout: Layout
+    memory: dict[str, float]
+    comm: dict
+    time: StepTime
+
+    def terms(self) -> dict[str, float]:
+        """Seconds per step by term: compute, exposed collectives by purpose, bubble."""
+        return {"compute": self.time.compute_s, **{f"comm:{k}": v for k, v in self.time.comm_s.items()},
+                "bubble": self.time.bubble_s}
+
+
+@dataclass
+class Result:
+    ranked: list[Scored]
+    rejected: dict[str, list[str]] = field(default_factory=dict)  # reason -> layouts (labels)
+    considered: int = 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_shapes(devices: int, axes: tuple[str, ...]):
+    """Every assignment of sizes to `axes` whose product is `devices`."""
+    if len(axes) == 1:
+        yield {axes[0]: devices}
+        return
+    for d in divisors(devices):
+        for rest in mesh_shapes(devices // d, axes[1:]):
+            yield {axes[0]: d, **rest}
+
+
+def dcn_split(mesh: dict[str, int], cluster: Cluster) -> dict[str, int]:
+    """The across-hosts factor of each axis: hosts taken by DCN_ORDER's axes first."""
+    hosts, out = cluster.hosts, {}
+    for a in DCN_ORDER:
+        if hosts == 1:
+            break
+        g = math.gcd(hosts, mesh.get(a, 1))
+        if g > 1:
+            out[a] = g
+            hosts //= g
+    if hosts != 1:
+        raise ConfigError(f"mesh {mesh} cannot be split over {cluster.hosts} hosts")
+    return out
+
+
+def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None = None) -> str | None:
+    """Why the config checks refuse `layout` (None: they accept it). `cache` keeps the
+    replication check's answer per mesh and ZeRO stage."""
+    from jaxpar.train.trainer import check_layout
+    t = cfg.train.model_copy(update={"grad_accum": layout.grad_accum, "remat": layout.remat})
+    pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule, "virtual_stages": layout.virtual_stages,
+                                           "microbatches": layout.microbatches})
+    c = cfg.model_copy(update={"train": t, "pipeline": pipe})
+    plan = abstract_plan(c, layout)
+    try:
+        check_layout(c, plan, platform=platform)
+    except ConfigError as e:
+        return str(e)
+    cache = {} if cache is None else cache
+    key = (tuple(layout.mesh.values()), layout.zero_stage)
+    if key not in cache:
+        cache[key] = _replication(plan, model, np.dtype(DTYPES[t.param_dtype]).itemsize)
+    return cache[key]
+
+
+def _replication(plan, model, itemsize: int) -> str | None:
+    try:
+        named = {path: (plan.spec(ax, sds.shape, "param", path), sds.shape, itemsize)
+                 for path, (ax, sds) in _flat(model).items()}
+        check_replication(plan, named)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _flat(model) -> dict:
+    axes = model.leaves_with_paths(model.axes)
+    shapes = model.leaves_with_paths(model.shapes)
+    return {k: (axes[k], shapes[k]) for k in axes}
+
+
+def options(cfg: Config, mesh: dict[str, int]):
+    """The step options to try on one mesh: ZeRO stage, remat, accumulation, schedule."""
+    m, t = cfg.model, cfg.train
+    dp = math.prod(mesh.get(a, 1) for a in cfg.sharding.resolved_rules().get("batch", ()))
+    stages = (1, 2, 3) if mesh.get("fsdp", 1) > 1 else (0,)
+    accums = [a for a in (1, 2, 4, 8, 16, 32, 64) if t.global_batch % (dp * a) == 0] or [1]
+    p = mesh.get("pipeline", 1)
+    for zero in stages:
+        for remat in REMATS:
+            for accum in accums:
+                if p == 1:
+                    yield dict(zero_stage=zero, remat=remat, grad_accum=accum)
+                    continue
+                for sched in SCHEDULES:
+                    v = 2 if sched == "interleaved_1f1b" else 1
+                    if v > 1 and m.n_layers % (p * v):
+                        continue
+                    yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched, virtual_stages=v)
+
+
+def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None = None,
+           options_fixed: dict | None = None) -> Result:
+    """Every valid layout of `cfg`'s model on `cluster`, best first. `fixed`: mesh sizes to keep
+    (--layout); `options_fixed`: step options to keep (zero_stage, remat, grad_accum, ...)."""
+    axes = ("data", "fsdp", "tensor", "pipeline") + (("expert",) if cfg.model.moe.num_experts else ())
+    result = Result([])
+    budget = cluster.memory_bytes * HEADROOM
+    state_cache: dict = {}
+    check_cache: dict = {}
+    sync_cache: dict = {}
+    for mesh in mesh_shapes(cluster.devices, axes):
+        if fixed and any(mesh.get(a, 1) != n for a, n in fixed.items()):
+            continue
+        mesh = {a: mesh.get(a, 1) for a in MESH_AXES}
+        dcn = dcn_split(mesh, cluster)
+        # the checks of the mesh alone (heads vs tensor, layers vs pipeline, batch vs data):
+        # a family that fails them fails with every option, so it is rejected once
+        family = Layout(mesh, zero_stage=3 if mesh["fsdp"] > 1 else 0, schedule="gpipe", dcn=dcn)
+        reason = check(cfg, family, model, cluster.platform, check_cache)
+        if reason is not None:
+            label = " ".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "1 device"
+            result.rejected.setdefault(reason, []).append(label)
+            result.considered += 1
+            continue
+        for opt in options(cfg, mesh):
+            if options_fixed and any(opt.get(k, getattr(Layout, k, None)) != v for k, v in options_fixed.items()):
+                continue
+            layout = Layout(mesh, dcn=dcn, **opt)
+            result.considered += 1
+            reason = check(cfg, layout, model, cluster.platform, check_cache)
+            if reason is not None:
+                result.rejected.setdefault(reason, []).append(layout.label())
+                continue
+            key = (tuple(mesh.values()), layout.zero_stage, layout.micro > 1)
+            if key not in state_cache:
+                state_cache[key] = state_terms(cfg, layout, model)
+            mem = estimate(cfg, layout, model, state_cache[key])
+            if mem["total"] > budget:
+                result.rejected.setdefault(
+                    f"memory: needs more than {HEADROOM:.0%} of {cluster.memory_gib:g} GiB per device",
+                    []).append(f"{layout.label()} ({mem['total'] / 2**30:.1f} GiB)")
+                continue
+            comm = step_collectives(cfg, layout, model, abstract_plan(cfg, layout), sync_cache)
+            result.ranked.append(Scored(layout, mem, comm, step_time(cfg, layout, model, cluster, comm)))
+    result.ranked.sort(key=lambda s: (s.time.step_s, s.memory["total"]))
+    return result
+
+
+def why_slower(best: Scored, other: Scored) -> str:
+    """The term that costs `other` the most time against `best`."""
+    a, b = best.terms(), other.terms()
+    diffs = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
+    k = max(diffs, key=diffs.get)
+    pct = other.time.step_s / best.time.step_s - 1
+    return f"+{pct:.0%} step time, mostly {k} ({_s(b.get(k, 0.0))} vs {_s(a.get(k, 0.0))})"
+
+
+def _s(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"

@@ -1,0 +1,96 @@
+"""Step time of a layout on a cluster: compute + exposed communication + pipeline bubble.
+
+  compute   model FLOPs per device (6N + attention, PaLM's count; MoE: the active params) times
+            the recompute factor (remat full: a second forward, 4/3; dots_saveable: 1.05; the
+            pipeline recomputes each stage forward in its backward: +1/3, twice with remat full)
+            / (peak FLOP/s of the compute dtype x efficiency.matmul)
+  comm      per collective: wire bytes / (link bandwidth x efficiency.comm) + ring steps x
+            latency, on the intra- or inter-host link by the layout's dcn split; gradient sync
+            hidden by efficiency.overlap, ZeRO-3 gathers by efficiency.gather_overlap; tensor,
+            pipeline and expert collectives sit on the critical path
+  overhead  efficiency.layer_overhead_us per layer and microbatch (launches, loop steps)
+  bubble    (p - 1) / m of the per-microbatch work for gpipe and 1f1b, / v for interleaved
+MFU = model FLOPs (no recompute) per step / (step time x devices x peak).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxpar.metrics import llama_flops_per_token
+from jaxpar.planner.cluster import Cluster
+from jaxpar.planner.layout import Layout
+
+RECOMPUTE = {"none": 1.0, "dots_saveable": 1.05, "dots_with_no_batch_dims_saveable": 1.05, "full": 4 / 3}
+
+
+def model_flops_per_token(cfg, model) -> float:
+    """Training FLOPs per token of the model (no recompute): 6N (+ attention), N without the
+    input embedding, with the head; MoE counts the experts a token visits."""
+    from models.moe import active_param_count
+    m = cfg.model
+    n = active_param_count(m) if m.moe.num_experts else model.n_params
+    non_embed = n - m.vocab_size * m.dim + (m.vocab_size * m.dim if m.tie_embeddings else 0)
+    return llama_flops_per_token(non_embed, m.n_layers, cfg.train.seq_len, m.n_heads * m.resolved_head_dim)
+
+
+def recompute_factor(layout: Layout) -> float:
+    f = RECOMPUTE[layout.remat]
+    if layout.size("pipeline") > 1:  # the stage forward again in each backward
+        f += 1 / 3
+    return f
+
+
+def bubble_fraction(layout: Layout, microbatches: int) -> float:
+    p = layout.size("pipeline")
+    if p == 1:
+        return 0.0
+    v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
+    return (p - 1) / (v * microbatches)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    comm_s: dict[str, float]       # exposed seconds by purpose
+    bubble_s: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    model_flops_per_step: float
+
+
+def link_time(cluster: Cluster, kinds: dict) -> float:
+    """Seconds the given collectives take on the cluster's links (wire bytes and ring steps)."""
+    total = 0.0
+    eff = cluster.efficiency.comm
+    for row in kinds.values():
+        for lk, wire in row["links"].items():
+            total += wire / (getattr(cluster, lk).bandwidth_gbps * 1e9 * eff)
+        lat = max(getattr(cluster, lk).latency_us for lk in row["links"]) if row["links"] else 0.0
+        total += row["steps"] * lat * 1e-6
+    return total
+
+
+def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict) -> StepTime:
+    t = cfg.train
+    tokens = t.global_batch * t.seq_len
+    per_token = model_flops_per_token(cfg, model)
+    model_flops = per_token * tokens
+    devices = layout.devices
+    peak = cluster.peak(t.compute_dtype)
+    compute = model_flops * recompute_factor(layout) / devices / (peak * cluster.efficiency.matmul)
+    by_purpose = comm["purpose"]
+    total_wire = sum(by_purpose.values()) or 1.0
+    whole = link_time(cluster, comm["kinds"])
+    share = {k: whole * v / total_wire for k, v in by_purpose.items()}  # time split like the bytes
+    eff = cluster.efficiency
+    exposed = {"grad_sync": share["grad_sync"] * (1 - eff.overlap),
+               "zero3_gather": max(0.0, share["zero3_gather"] - eff.gather_overlap * compute),
+               "tensor": share["tensor"], "pipeline": share["pipeline"], "expert": share["expert"]}
+    micro = layout.micro
+    overhead = micro * cfg.model.n_layers / layout.size("pipeline") * eff.layer_overhead_us * 1e-6
+    critical = compute + overhead + exposed["tensor"] + exposed["pipeline"] + exposed["expert"] + exposed["zero3_gather"]
+    bubble = bubble_fraction(layout, micro) * critical
+    step = critical + bubble + exposed["grad_sync"]
+    return StepTime(compute + overhead, exposed, bubble, step, tokens / step, model_flops / (step * devices * peak),
+                    model_flops)
