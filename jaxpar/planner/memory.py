@@ -35,6 +35,9 @@ from jaxpar.sharding import Plan, entry_axes
 from jaxpar.train.precision import DTYPES, has_masters
 
 ADAM_TRANSIENT = 1.0     # float32 copies of the optimizer shard Adam's update holds at once
+# A pipeline stage's backward holds its recomputed forward: layers' worth of activations per
+# stage layer (measured; 1f1b's runner keeps a forward and a backward tick's buffers at once).
+STAGE_WORKING = {"gpipe": 1.1, "1f1b": 1.6}
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
 
@@ -186,8 +189,8 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
         # The pipeline's backward recomputes its stage's forward: a stage keeps each in-flight
         # microbatch's input, and holds one microbatch's stage activations while it runs a backward.
         out["activations"] = tokens * ms.dim * c * in_flight(layout, microbatches)
-        out["working"] = tokens * (layers + 0.5) * (full if layout.remat == "none" else
-                                                    kept + WORKING * full / layers)
+        stage = layers * STAGE_WORKING["gpipe" if layout.schedule == "gpipe" else "1f1b"]
+        out["working"] = tokens * stage * (full if layout.remat == "none" else kept + WORKING * full / layers)
     else:
         out["activations"] = tokens * layers * kept
         out["working"] = WORKING * tokens * full if layout.remat != "none" else 0.0

@@ -17,7 +17,8 @@ def to_json(result: Result, top: int, explain: bool = False) -> dict:
     best = result.ranked[:top]
     out = {"considered": result.considered, "valid": len(result.ranked),
            "best": [{**_row(s), **({"lost": why_slower(best[0], s)} if i else {})} for i, s in enumerate(best)],
-           "rejected": {reason: {"count": len(v), "examples": v[:3]} for reason, v in result.rejected.items()}}
+           "rejected": {reason: {"count": len(v), "examples": [x.label() for x in v[:3]]}
+                        for reason, v in result.rejected.items()}}
     if explain and best:
         out["explain"] = explain_terms(best[0])
     return out
@@ -47,7 +48,7 @@ def format_result(result: Result, top: int, cluster_name: str, explain: bool = F
         lines.append("rejected:")
         for reason, labels in sorted(result.rejected.items(), key=lambda kv: -len(kv[1])):
             first = reason.splitlines()[0]
-            lines.append(f"  {len(labels):5d} x {first}  (e.g. {labels[0]})")
+            lines.append(f"  {len(labels):5d} x {first}  (e.g. {labels[0].label()})")
     if explain and best:
         lines.append(format_explain(best[0]))
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from jaxpar.train.precision import DTYPES
 
 REMATS = ("none", "dots_saveable", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+MAX_MICROBATCHES = 512
 HEADROOM = 0.9  # of device memory the plan may use (allocator fragmentation, XLA's own buffers)
 # which axes cross hosts first: data parallel replicas are the cheapest to split over slow links
 DCN_ORDER = ("data", "pipeline", "fsdp", "expert", "tensor")
@@ -39,7 +40,7 @@ class Scored:
 @dataclass
 class Result:
     ranked: list[Scored]
-    rejected: dict[str, list[str]] = field(default_factory=dict)  # reason -> layouts (labels)
+    rejected: dict[str, list[Layout]] = field(default_factory=dict)  # reason -> the layouts it rejects
     considered: int = 0
 
 
@@ -113,7 +114,8 @@ def options(cfg: Config, mesh: dict[str, int]):
     m, t = cfg.model, cfg.train
     dp = math.prod(mesh.get(a, 1) for a in cfg.sharding.resolved_rules().get("batch", ()))
     stages = (1, 2, 3) if mesh.get("fsdp", 1) > 1 else (0,)
-    accums = [a for a in (1, 2, 4, 8, 16, 32, 64) if t.global_batch % (dp * a) == 0] or [1]
+    per_replica = t.global_batch // dp if t.global_batch % dp == 0 else 1
+    accums = [a for a in divisors(per_replica) if a <= MAX_MICROBATCHES] or [1]
     p = mesh.get("pipeline", 1)
     for zero in stages:
         for remat in REMATS:
@@ -148,8 +150,7 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
         family = Layout(mesh, zero_stage=3 if mesh["fsdp"] > 1 else 0, schedule="gpipe", dcn=dcn)
         reason = check(cfg, family, model, cluster.platform, check_cache)
         if reason is not None:
-            label = " ".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "1 device"
-            result.rejected.setdefault(reason, []).append(label)
+            result.rejected.setdefault(reason, []).append(family)
             result.considered += 1
             continue
         for opt in options(cfg, mesh):
@@ -159,7 +160,7 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
             result.considered += 1
             reason = check(cfg, layout, model, cluster.platform, check_cache)
             if reason is not None:
-                result.rejected.setdefault(reason, []).append(layout.label())
+                result.rejected.setdefault(reason, []).append(layout)
                 continue
             key = (tuple(mesh.values()), layout.zero_stage, layout.micro > 1)
             if key not in state_cache:
@@ -168,7 +169,7 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
             if mem["total"] > budget:
                 result.rejected.setdefault(
                     f"memory: needs more than {HEADROOM:.0%} of {cluster.memory_gib:g} GiB per device",
-                    []).append(f"{layout.label()} ({mem['total'] / 2**30:.1f} GiB)")
+                    []).append(layout)
                 continue
             comm = step_collectives(cfg, layout, model, abstract_plan(cfg, layout), sync_cache)
             result.ranked.append(Scored(layout, mem, comm, step_time(cfg, layout, model, cluster, comm)))
