@@ -156,6 +156,9 @@ class MeshConfig(Strict):
     tensor: int = 1
     expert: int = 1
     dcn: dict[str, int] = Field(default_factory=dict)
+    # `mesh: auto` in a config: the planner (jaxpar/planner) chooses the sizes for the devices
+    # it finds, before anything is built; the resolved config has the chosen sizes.
+    auto: bool = False
 
     @field_validator("data", "fsdp", "pipeline", "tensor", "expert")
     @classmethod
@@ -206,7 +209,7 @@ DEFAULT_RULES: dict[str, list[str]] = {
 class ShardingConfig(Strict):
     """How logical axes map to mesh axes, and what ZeRO shards over `fsdp`."""
 
-    zero_stage: Literal[0, 1, 2, 3] = 1
+    zero_stage: Literal[0, 1, 2, 3, "auto"] = 1  # auto: the planner's choice
     sequence_parallel: bool = False
     rules: dict[str, list[str]] = Field(default_factory=dict)
     replicated_tolerance: float = Field(0.05, ge=0, le=1)
@@ -333,7 +336,7 @@ class TrainConfig(Strict):
     steps: int = Field(100, gt=0)
     global_batch: int = Field(16, gt=0)
     seq_len: int = Field(128, gt=0)
-    grad_accum: int = Field(1, gt=0)
+    grad_accum: int | Literal["auto"] = 1  # auto: the planner's choice
     seed: int = 0
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # Mixed precision (jaxpar/train/precision.py): with bf16 params the optimizer keeps float32
@@ -342,7 +345,7 @@ class TrainConfig(Strict):
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    remat: Literal[REMAT_POLICIES] = "none"  # jaxpar.nn.REMAT_POLICIES maps each to a policy
+    remat: Literal[REMAT_POLICIES + ("auto",)] = "none"  # jaxpar.nn.REMAT_POLICIES; auto: the planner's
     # The loss over chunks of this many tokens (train/loss.DeferredLogits): the float32
     # [batch, seq, vocab] logits never exist at once (4 GB per 8K-token sequence at vocab 128K).
     loss_chunk: int | None = Field(None, gt=0)
@@ -356,6 +359,13 @@ class TrainConfig(Strict):
     max_nonfinite: int = Field(5, ge=1, description="stop after this many non-finite steps in a row")
     nonfinite_rollback: bool = Field(False, description="instead of stopping: restore the last "
                                      "checkpoint and skip the batch that started the run of bad steps")
+
+    @field_validator("grad_accum", mode="before")
+    @classmethod
+    def _grad_accum(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError("train.grad_accum must be a positive integer (microbatches per step) or auto")
 
     @model_validator(mode="after")
     def _loss_chunk(self) -> "TrainConfig":
@@ -568,6 +578,16 @@ class DistributedConfig(Strict):
         return self
 
 
+class PlannerConfig(Strict):
+    """What `mesh: auto` (and the other `auto` settings) plan for: a cluster description (a
+    preset of jaxpar/planner/clusters or a YAML file); null: the preset matching the devices."""
+
+    cluster: str | None = None
+
+
+AUTO_FIELDS = ("mesh", "sharding.zero_stage", "train.remat", "train.grad_accum")
+
+
 class Config(Strict):
     name: str = "run"
     run_dir: str = "runs"
@@ -587,6 +607,22 @@ class Config(Strict):
     observe: ObserveConfig = Field(default_factory=ObserveConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mesh_auto(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mesh") == "auto":
+            data = {**data, "mesh": {"auto": True}}
+        return data
+
+    def auto_fields(self) -> list[str]:
+        """The settings left to the planner (AUTO_FIELDS that say auto)."""
+        out = ["mesh"] if self.mesh.auto else []
+        out += [f for f, v in (("sharding.zero_stage", self.sharding.zero_stage),
+                               ("train.remat", self.train.remat),
+                               ("train.grad_accum", self.train.grad_accum)) if v == "auto"]
+        return out
 
     @field_validator("name")
     @classmethod

@@ -74,18 +74,21 @@ def test_predicted_memory_within_15_percent_of_the_compiler(compiled, overrides)
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", LAYOUTS)
 def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
-    """Gradient sync and ZeRO-3 gathers are counted exactly per param; tensor, pipeline and
-    expert activations by their formulas (XLA's partitioning adds small reductions: norms,
-    losses)."""
+    """Without tensor parallelism every collective is the planner's (gradient sync and ZeRO-3
+    gathers per param, pipeline permutes, expert all-to-alls): each kind within 5%. With it,
+    XLA's partitioner chooses per matmul between all-reducing activations and all-gathering
+    weights; the model has the activation all-reduces (within 35%), not the weight gathers."""
     cfg, _, _, _, comm, hlo = compiled[overrides]
     pred = comm["kinds"]
+    tensor = cfg.mesh.tensor > 1
     for kind, row in hlo.items():
         want = row["result_bytes"]
         got = pred.get(kind, {}).get("result_bytes", 0.0)
         if want < 64 * 1024 and got < 64 * 1024:
             continue  # scalars and norm-sized reductions
-        exact = cfg.mesh.tensor == 1 and cfg.mesh.pipeline == 1 and cfg.mesh.expert == 1
-        rel = (0.05 if exact else 0.35) if not (kind == "all-gather" and cfg.sharding.zero_stage == 3) else 0.3
+        if tensor and (kind != "all-reduce" or cfg.sharding.sequence_parallel):
+            continue
+        rel = 0.35 if tensor else 0.25 if kind == "all-gather" and cfg.sharding.zero_stage == 3 else 0.05
         assert got == pytest.approx(want, rel=rel), (kind, got, want)
 
 
@@ -164,3 +167,65 @@ def test_plan_cli(capsys):
     assert "explain:" in text and "rejected:" in text and "not divisible by mesh.tensor" in text
     assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--layout", "mesh.cores=2"]) == 2
     assert "--layout 'mesh.cores' is not a layout setting" in capsys.readouterr().err
+
+
+def test_mesh_auto_trains_like_the_layout_it_chose():
+    overrides = ["train.steps=3", "train.log_every=1", "checkpoint.enabled=false", "train.progress=false",
+                 "eval.every=0", "data.eval_fraction=0", "data.source=synthetic"]
+    auto = load_config("configs/quickstart.yaml", [*overrides, "mesh=auto", "sharding.zero_stage=auto",
+                                                   "train.remat=auto", "train.grad_accum=auto"])
+    assert auto.auto_fields() == ["mesh", "sharding.zero_stage", "train.remat", "train.grad_accum"]
+    logs = []
+    tr = Trainer(auto, log=logs.append)
+    assert tr.cfg.auto_fields() == [] and any(m.startswith("planner (mesh, ") for m in logs)
+    _, got = tr.fit()
+    chosen = Layout.of_config(tr.cfg, 8)
+    by_hand = load_config("configs/quickstart.yaml", [*overrides, *chosen.overrides()])
+    _, want = Trainer(by_hand, log=lambda m: None).fit()
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert any(m.startswith("planner: predicted") and "measured" in m for m in logs)
+
+
+def test_auto_keeps_what_the_user_fixed():
+    cfg = load_config("configs/quickstart.yaml", ["train.remat=auto", "checkpoint.enabled=false"])
+    from jaxpar.planner.auto import resolve_auto
+    chosen, plan = resolve_auto(cfg, 8, log=lambda m: None)
+    assert (chosen.mesh.data, chosen.mesh.fsdp, chosen.mesh.tensor) == (2, 2, 2)  # as configured
+    assert chosen.sharding.zero_stage == 1 and chosen.train.grad_accum == 1
+    assert chosen.train.remat in ("none", "full", "dots_saveable") and plan.layout.remat == chosen.train.remat
+
+
+def test_fit_recovers_the_efficiency_that_produced_the_times(tmp_path):
+    """Step times made by the model itself at matmul 0.4 / comm 0.3: the fit finds those."""
+    from jaxpar.planner.fit import fit_cluster, terms
+    cluster = load_cluster("cpu8")
+    dirs = []
+    layouts = ["mesh.data=8 mesh.fsdp=1 mesh.tensor=1 sharding.zero_stage=0",
+               "mesh.data=2 mesh.fsdp=4 mesh.tensor=1 sharding.zero_stage=3",
+               "mesh.data=4 mesh.fsdp=1 mesh.tensor=2"]
+    for i, layout in enumerate(layouts):
+        cfg = load_config("configs/quickstart.yaml", layout.split())
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        (d / "config.yaml").write_text(cfg.to_yaml())
+        compute, comm, fixed, _ = terms(cluster, d, None)
+        t = compute / 0.4 + comm / 0.3 + fixed
+        records = [{"step": s, "step_time_s": t * (9 if s == 1 else 1)} for s in range(1, 6)]  # 1: compile
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        dirs.append(str(d))
+    fitted, report = fit_cluster(cluster, dirs)
+    assert fitted.efficiency.matmul == pytest.approx(0.4, rel=1e-3)
+    assert fitted.efficiency.comm == pytest.approx(0.3, rel=1e-3)
+    out = tmp_path / "fitted.yaml"
+    assert main(["plan", "fit", *dirs, "--cluster", "cpu8", "-o", str(out)]) == 0
+    assert load_cluster(out).efficiency.matmul == pytest.approx(0.4, rel=1e-3)
+    (tmp_path / "run0" / "metrics.jsonl").unlink()
+    with pytest.raises(ConfigError, match="run0 has no metrics.jsonl"):
+        fit_cluster(cluster, dirs)
+
+
+def test_calibrate_writes_a_loadable_description(tmp_path):
+    out = tmp_path / "here.yaml"
+    assert main(["plan", "calibrate", "-o", str(out)]) == 0
+    c = load_cluster(out)
+    assert c.platform == "cpu" and c.devices == 8 and c.peak("float32") > 0 and c.intra.bandwidth_gbps > 0

@@ -76,9 +76,11 @@ def _model_differences(saved: dict, cfg: Config) -> list[str]:
             for k in shape_fields if k in then and then.get(k) != now.get(k)]
 
 
-def plan_resume(cfg: Config, n_devices: int | None = None, own_root: Path | None = None) -> ResumePlan:
+def plan_resume(cfg: Config, n_devices: int | None = None, own_root: Path | None = None,
+                adapt: bool = True) -> ResumePlan:
     """Decide where `cfg` resumes from (train.resume) and adapt its layout to the device count
-    (when checkpoint.elastic). Reads only JSON; the arrays are restored by `Trainer.restore`."""
+    (when checkpoint.elastic and `adapt`: not for a layout the planner chose for these devices).
+    Reads only JSON; the arrays are restored by `Trainer.restore`."""
     n = n_devices or jax.device_count()
     own = Path(own_root) if own_root is not None else checkpoint_dir(cfg)
     src = resolve_source(cfg.train.resume, own)
@@ -109,7 +111,7 @@ def plan_resume(cfg: Config, n_devices: int | None = None, own_root: Path | None
     if diffs:
         raise CheckpointError(f"checkpoint {root / str(s)} was saved for another model:\n  "
                               + "\n  ".join(diffs))
-    if cfg.checkpoint.elastic and int(meta.get("devices", n)) != n:
+    if adapt and cfg.checkpoint.elastic and int(meta.get("devices", n)) != n:
         cfg, adapted = adapt_layout(cfg, meta, n)
         changes += adapted
     return ResumePlan(cfg, root, step, meta, changes)

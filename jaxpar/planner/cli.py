@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxpar.train.model import ModelDef
     cfg = load_config(head, args.target[1:])
     mesh, opts = parse_layout(args.layout)
-    result = search(cfg, cluster, ModelDef.from_factory(llama_model_factory(cfg)), fixed=mesh, options_fixed=opts)
+    model = ModelDef.from_factory(llama_model_factory(cfg))
+    result = search(cfg, cluster, model, fixed=mesh, options_fixed=opts)
     if args.json:
         print(json.dumps(to_json(result, args.top, args.explain), indent=2))
     else:

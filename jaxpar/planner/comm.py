@@ -12,8 +12,8 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
                   forward and, as XLA partitions the backward, TP_BACKWARD_ALL_REDUCES there
                   (sequence parallel: an all-gather + reduce-scatter pair each instead), + 2 at
                   the embedding/head; remat "full" repeats the forward's
-  pipeline        a collective-permute of a microbatch's stage activations forward and of its
-                  gradient backward on every tick (m + p - 1 of each: idle ticks send too)
+  pipeline        collective-permutes of stage activations (forward) and their gradients
+                  (backward), both on every one of the 2(vm + p - 1) ticks (idle ticks send too)
   expert          4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and
                   backward) of top_k x capacity_factor x tokens x D
 """
@@ -24,7 +24,7 @@ import math
 import jax
 
 from jaxpar.metrics import COLLECTIVE_KINDS
-from jaxpar.sharding import Plan, entry_axes
+from jaxpar.sharding import ZERO_AXIS as ZERO, Plan, entry_axes
 
 TP_BACKWARD_ALL_REDUCES = 5  # per layer, measured on XLA:CPU's partitioning of the backward
 
@@ -66,11 +66,14 @@ def grad_sync_bytes(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, para
         local = [d // size(tuple(a for a in entry_axes(e) if a not in batch))
                  for d, e in zip(shape, (*full, *(None,) * (len(shape) - len(full))))]
         elems = math.prod(local)
+        # batch axes that shard the param itself (experts over `expert`) own it: no reduction there
+        owned = {a for e in plan.spec(ax, shape, "param") for a in entry_axes(e) if a in batch and a != ZERO}
+        reduce_over = tuple(a for a in batch if a not in owned)
         opt = plan.spec(ax, shape, "opt")
-        z = tuple(a for e in opt for a in entry_axes(e) if a in batch)
-        nz, rest = size(z), tuple(a for a in batch if a not in z)
+        z = tuple(a for e in opt for a in entry_axes(e) if a in reduce_over)
+        nz, rest = size(z), tuple(a for a in reduce_over if a not in z)
         if plan.zero_stage == 0 or nz == 1:
-            add("all-reduce", elems * gsz, size(batch))
+            add("all-reduce", elems * gsz, size(reduce_over))
         elif plan.zero_stage in (1, 2):
             add("reduce-scatter", elems * gsz / nz, nz, grad_accum if plan.zero_stage == 2 else 1)
             add("all-reduce", elems * gsz / nz, size(rest))
@@ -135,9 +138,9 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
             row_out["wire_bytes"] += row["wire_bytes"]
             lk = link(batch if kind == "all-reduce" else ("fsdp",))
             row_out["links"][lk] = row_out["links"].get(lk, 0.0) + row["wire_bytes"]
-            ops = len(jax.tree.leaves(model.shapes)) * (2 * accum if kind == "all-gather" and plan.zero_stage >= 3
-                                                        else accum if kind == "reduce-scatter" and
-                                                        plan.zero_stage >= 2 else 1)
+            per_step = (2 * accum if kind == "all-gather" and plan.zero_stage >= 3
+                        else accum if kind == "reduce-scatter" and plan.zero_stage >= 2 else 1)
+            ops = len(jax.tree.leaves(model.shapes)) * per_step
             row_out["ops"] += ops
             row_out["steps"] += ops * (2 * (n - 1) if kind == "all-reduce" else n - 1)
             gathered = plan.zero_stage >= 3 and kind == "all-gather"
@@ -163,7 +166,9 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
     p = layout.size("pipeline")
     if p > 1:
         before = sum(r["wire_bytes"] for r in out.values())
-        ticks = micro + p - 1  # today's runner sends on every tick, idle ones too (zeros)
+        v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
+        ticks = 2 * (v * micro + p - 1)  # forward and backward phases
+        # today's runner permutes both directions on every tick, idle ones too (zeros)
         add_op(out, "collective-permute", act, p, 2 * ticks, link(("pipeline",)))
         purpose["pipeline"] = sum(r["wire_bytes"] for r in out.values()) - before
     e = layout.size("expert")

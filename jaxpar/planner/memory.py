@@ -6,7 +6,8 @@
                 microbatches are accumulated; plus one microbatch's unsharded gradient with
                 accumulation
     update      the optimizer's transients (Adam's update of the optimizer shard, float32)
-    gathered    ZeRO-3: the embedding/head and two layers' weights gathered at once
+    gathered    ZeRO-3: the embedding/head and two layers' weights gathered at once; ZeRO-1/2:
+                the updated params, all-gathered from the optimizer's shards
     activations what the backward keeps, per token and layer, by remat policy and attention
                 implementation, for the tokens of one microbatch on a device; a pipeline stage
                 (which recomputes its forward in the backward) keeps only each in-flight
@@ -94,7 +95,8 @@ class ModelShape:
 def attention_impl(cfg: Config) -> str:
     from jaxpar.attention import resolve
     m = cfg.model
-    return resolve(m.attention, platform="cpu", dtype=DTYPES[cfg.train.compute_dtype], seq_len=cfg.train.seq_len,
+    return resolve(m.attention, platform="cpu", dtype=DTYPES[cfg.train.compute_dtype],
+                   seq_len=cfg.train.seq_len,
                    head_dim=m.resolved_head_dim, threshold=m.attention_threshold)
 
 
@@ -127,7 +129,7 @@ def in_flight(layout: Layout, microbatches: int) -> int:
         return 1
     if layout.schedule == "gpipe":
         return microbatches
-    return min(p, microbatches) if layout.virtual_stages == 1 else min(p * layout.virtual_stages, microbatches)
+    return min(p * layout.virtual_stages, microbatches)
 
 
 def estimate(cfg: Config, layout: Layout, model, state: dict | None = None) -> dict[str, float]:
@@ -166,6 +168,8 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
         out["grads"] += grad_full
     if layout.zero_stage >= 3 and layout.size("fsdp") > 1:
         out["gathered"] = top_full + 2 * stacked_full
+    elif layout.zero_stage in (1, 2) and layout.size("fsdp") > 1:  # the updated params, all-gathered
+        out["gathered"] = out["params"]
     return out
 
 

@@ -36,8 +36,9 @@ class GPTRun:
 
     def config(self, base: dict | None = None) -> Config:
         ffn = -(-8 * self.hidden // 3 // 128) * 128  # 8h/3, rounded up to a multiple of 128
-        raw = {"model": {"vocab_size": VOCAB, "dim": self.hidden, "n_layers": self.layers, "n_heads": self.heads,
-                         "n_kv_heads": self.heads, "ffn_dim": ffn, "tie_embeddings": False,
+        raw = {"model": {"vocab_size": VOCAB, "dim": self.hidden, "n_layers": self.layers,
+                         "n_heads": self.heads, "n_kv_heads": self.heads, "ffn_dim": ffn,
+                         "tie_embeddings": False,
                          "attention": "blockwise"},
                "train": {"global_batch": self.batch, "seq_len": SEQ, "compute_dtype": "bfloat16",
                          "param_dtype": "float32"},

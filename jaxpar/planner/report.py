@@ -16,7 +16,8 @@ def _row(s: Scored) -> dict:
 def to_json(result: Result, top: int, explain: bool = False) -> dict:
     best = result.ranked[:top]
     out = {"considered": result.considered, "valid": len(result.ranked),
-           "best": [{**_row(s), **({"lost": why_slower(best[0], s)} if i else {})} for i, s in enumerate(best)],
+           "best": [{**_row(s), **({"lost": why_slower(best[0], s)} if i else {})}
+                    for i, s in enumerate(best)],
            "rejected": {reason: {"count": len(v), "examples": [x.label() for x in v[:3]]}
                         for reason, v in result.rejected.items()}}
     if explain and best:
@@ -31,7 +32,8 @@ def explain_terms(s: Scored) -> dict:
 
 
 def format_result(result: Result, top: int, cluster_name: str, explain: bool = False) -> str:
-    lines = [f"jaxpar plan on {cluster_name}: {result.considered} layouts considered, {len(result.ranked)} valid"]
+    lines = [f"jaxpar plan on {cluster_name}: {result.considered} layouts considered, "
+             f"{len(result.ranked)} valid"]
     if not result.ranked:
         lines.append("no valid layout: see the reasons below")
     best = result.ranked[:top]

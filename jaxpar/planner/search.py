@@ -14,6 +14,7 @@ from jaxpar.planner.layout import Layout, abstract_plan
 from jaxpar.planner.memory import estimate, state_terms
 from jaxpar.planner.timing import StepTime, step_time
 from jaxpar.sharding import check_replication
+from jaxpar.train.layout_checks import check_layout
 from jaxpar.train.precision import DTYPES
 
 REMATS = ("none", "dots_saveable", "full")
@@ -76,9 +77,9 @@ def dcn_split(mesh: dict[str, int], cluster: Cluster) -> dict[str, int]:
 def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None = None) -> str | None:
     """Why the config checks refuse `layout` (None: they accept it). `cache` keeps the
     replication check's answer per mesh and ZeRO stage."""
-    from jaxpar.train.trainer import check_layout
     t = cfg.train.model_copy(update={"grad_accum": layout.grad_accum, "remat": layout.remat})
-    pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule, "virtual_stages": layout.virtual_stages,
+    pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule,
+                                           "virtual_stages": layout.virtual_stages,
                                            "microbatches": layout.microbatches})
     c = cfg.model_copy(update={"train": t, "pipeline": pipe})
     plan = abstract_plan(c, layout)
@@ -127,7 +128,8 @@ def options(cfg: Config, mesh: dict[str, int]):
                     v = 2 if sched == "interleaved_1f1b" else 1
                     if v > 1 and m.n_layers % (p * v):
                         continue
-                    yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched, virtual_stages=v)
+                    yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched,
+                               virtual_stages=v)
 
 
 def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None = None,
@@ -154,7 +156,8 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
             result.considered += 1
             continue
         for opt in options(cfg, mesh):
-            if options_fixed and any(opt.get(k, getattr(Layout, k, None)) != v for k, v in options_fixed.items()):
+            if options_fixed and any(opt.get(k, getattr(Layout, k, None)) != v
+                                     for k, v in options_fixed.items()):
                 continue
             layout = Layout(mesh, dcn=dcn, **opt)
             result.considered += 1

@@ -89,8 +89,10 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict) -> StepT
                "tensor": share["tensor"], "pipeline": share["pipeline"], "expert": share["expert"]}
     micro = layout.micro
     overhead = micro * cfg.model.n_layers / layout.size("pipeline") * eff.layer_overhead_us * 1e-6
-    critical = compute + overhead + exposed["tensor"] + exposed["pipeline"] + exposed["expert"] + exposed["zero3_gather"]
+    critical = (compute + overhead + exposed["tensor"] + exposed["pipeline"] + exposed["expert"]
+                + exposed["zero3_gather"])
     bubble = bubble_fraction(layout, micro) * critical
     step = critical + bubble + exposed["grad_sync"]
-    return StepTime(compute + overhead, exposed, bubble, step, tokens / step, model_flops / (step * devices * peak),
+    return StepTime(compute + overhead, exposed, bubble, step, tokens / step,
+                    model_flops / (step * devices * peak),
                     model_flops)

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.attention import check as check_attention
 from jaxpar.checkpoint import (Checkpointer, Preemption, ResumePlan, checkpoint_dir, ensure_writable,
                                layout_meta, plan_resume)
 from jaxpar.config import Config, ConfigError
@@ -24,9 +23,9 @@ from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import (compiled_memory, format_banner, generic_flops_per_token, llama_flops_per_token,
                             peak_flops)
 from jaxpar.observe import build_callbacks
-from jaxpar.parallel.expert import check_layout as check_experts
-from jaxpar.parallel.pipeline import check_pipeline_layout
+from jaxpar.planner.auto import PredictionReport, resolve_auto
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
+from jaxpar.train.layout_checks import check_layout
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import build_optimizer, schedule
 from jaxpar.train.builtin import llama_model_factory
@@ -40,32 +39,6 @@ from models.moe import active_param_count
 
 class TrainingStopped(ConfigError):
     """The run cannot go on as configured (e.g. train.max_nonfinite bad steps in a row)."""
-
-
-def check_layout(cfg: Config, plan: Plan, check_model: bool = True, platform: str | None = None) -> None:
-    """User mistakes that would otherwise surface as deep JAX errors. `platform`: the devices'
-    (default: the plan's mesh's; the planner checks layouts on a mesh without devices)."""
-    shape = plan.mesh.shape
-    m, t = cfg.model, cfg.train
-    if check_model and shape["tensor"] > 1:
-        for fld in ("n_heads", "n_kv_heads"):
-            if getattr(m, fld) % shape["tensor"]:
-                raise ConfigError(
-                    f"model.{fld}={getattr(m, fld)} is not divisible by mesh.tensor={shape['tensor']}; "
-                    f"use a tensor size that divides {getattr(m, fld)}"
-                )
-    if check_model:
-        check_experts(m, shape)
-        check_attention(m.attention, platform or plan.mesh.devices.flat[0].platform, t.compute_dtype)
-    if shape.get("pipeline", 1) > 1:
-        check_pipeline_layout(cfg, plan, check_model)
-    dp = plan.batch_size_divisor
-    if t.global_batch % (dp * t.grad_accum):
-        axes = "*".join(plan.batch_axes)
-        raise ConfigError(
-            f"train.global_batch={t.global_batch} must be divisible by the batch-parallel size "
-            f"({axes} = {dp}) times train.grad_accum={t.grad_accum} = {dp * t.grad_accum}"
-        )
 
 
 @dataclass
@@ -82,6 +55,8 @@ class Trainer:
         self.cfg = cfg = init_config(self.cfg)  # train.init_from fills model.*
         apply_xla_flags(cfg, log=self.log)  # before JAX starts (scripts too, not only the CLI)
         initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
+        # mesh: auto & co.: the planner chooses for these devices (jaxpar train resolves earlier)
+        self.cfg = cfg = self._resolve_auto(cfg)
         self.mesh = build_mesh(cfg.mesh, self.devices)
         self.plan = Plan(self.mesh, cfg.sharding.resolved_rules(), cfg.sharding.zero_stage,
                          cfg.sharding.replicated_tolerance)
@@ -111,6 +86,13 @@ class Trainer:
         self.skipped_batches: list[int] = []  # data steps never trained on (nonfinite_rollback)
         self.preempted: str | None = None   # the signal that stopped the last fit, if any
         self.checkpointer = None
+
+    def _resolve_auto(self, cfg: Config) -> Config:
+        n = len(self.devices) if self.devices else None
+        cfg, plan = resolve_auto(cfg, n, self.model_factory, self.log)
+        if plan is not None:
+            self.callbacks = [*self.callbacks, PredictionReport(plan, self.log)]
+        return cfg
 
     def make_step(self, **overrides):
         """The jitted train step of this config; `overrides` go to make_train_step (tests and
@@ -409,7 +391,10 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     cfg = init_config(cfg)  # train.init_from fills model.* (saved in config.yaml, checked on resume)
     if cfg.checkpoint.enabled:  # a checkpoint dir that cannot be written fails before compiling
         ensure_writable(checkpoint_dir(cfg), cfg)
-    plan = plan_resume(cfg) if cfg.checkpoint.enabled else ResumePlan(cfg)
+    replanned = bool(cfg.auto_fields())
+    cfg, predicted = resolve_auto(cfg, log=log)  # mesh: auto & co. (for the devices found now)
+    # an elastic resume of an auto layout takes the planner's choice for the new device count
+    plan = plan_resume(cfg, adapt=not replanned) if cfg.checkpoint.enabled else ResumePlan(cfg)
     cfg = plan.cfg
     for change in plan.changes:
         log(("resume: " if change.startswith("train.resume=") else "elastic resume: ") + change)
@@ -418,7 +403,8 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
         log("resolved config:\n" + cfg.to_yaml())
-    trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg) + list(callbacks or []))
+    extra = [PredictionReport(predicted, log)] if predicted is not None else []
+    trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg) + extra + list(callbacks or []))
     compiled = trainer.compile()
     state, start, where = trainer.restore(plan, out_dir=out)
     log(trainer.banner(compiled, extra={"resumed from" if state is not None else "start": where}))

@@ -1,0 +1,103 @@
+"""`jaxpar bench planner`: how well the planner's step-time model ranks layouts on this machine,
+and how long planning a large model takes.
+
+  ranking   for LAYOUTS (>= 10 layouts of the quickstart model on the machine's devices): the
+            predicted step time (cluster `cpu8`, or --cluster's file via planner.cluster) beside
+            the measured median of `steps` steps; Spearman rank correlation (target >= 0.8)
+  planning  seconds to plan the 70B preset on 1024 GPUs (h100_80gb_x8; target < 10 s)
+CPU caveat: 8 forced devices share the cores, so the measured time is total work, not overlap.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+from jaxpar.bench.common import describe_config, table, with_overrides
+from jaxpar.config import Config
+from jaxpar.planner.cluster import load_cluster
+from jaxpar.planner.comm import step_collectives
+from jaxpar.planner.layout import Layout, abstract_plan
+from jaxpar.planner.memory import estimate
+from jaxpar.planner.search import search
+from jaxpar.planner.timing import step_time
+from jaxpar.train.trainer import Trainer
+
+LAYOUT: list[str] = ["data.source=synthetic", "checkpoint.enabled=false", "train.progress=false",
+                     "eval.every=0", "data.eval_fraction=0"]
+TOL = "sharding.replicated_tolerance=0.3"
+LAYOUTS = [
+    "mesh.data=8 sharding.zero_stage=0",
+    "mesh.data=8 sharding.zero_stage=0 train.remat=full",
+    "mesh.data=4 mesh.tensor=2",
+    "mesh.data=2 mesh.tensor=2 mesh.fsdp=2",
+    "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3",
+    "mesh.data=2 mesh.fsdp=4 sharding.zero_stage=3 train.remat=full",
+    "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2 train.grad_accum=4",
+    "mesh.data=8 sharding.zero_stage=0 train.grad_accum=4",
+    f"mesh.data=4 mesh.pipeline=2 train.grad_accum=4 {TOL}",
+    f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe {TOL}",
+    "mesh.data=2 mesh.tensor=4",
+]
+
+
+def spearman(a, b) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def measure(cfg: Config, steps: int) -> float:
+    tr = Trainer(cfg, log=lambda s: None)
+    step = tr.compile()
+    state = tr.init_state()
+    times = []
+    for i in range(steps + 1):
+        batch = tr.loader.batch(i)
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        if i:  # the first call may still pay for transfers and caches
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def run(cfg: Config, log: Callable[[str], None] = lambda s: None, steps: int = 5) -> dict:
+    cluster = load_cluster(cfg.planner.cluster or "cpu8").with_devices(jax.device_count())
+    rows = []
+    for overrides in LAYOUTS:
+        c = with_overrides(cfg, overrides.split())
+        layout = Layout.of_config(c, jax.device_count())
+        tr = Trainer(c, log=lambda s: None)
+        comm = step_collectives(c, layout, tr.model, abstract_plan(c, layout))
+        pred = step_time(c, layout, tr.model, cluster, comm).step_s
+        meas = measure(c, steps)
+        mem = estimate(c, layout, tr.model)["total"]
+        log(f"planner: {layout.label()}: predicted {pred * 1e3:.1f} ms, measured {meas * 1e3:.1f} ms")
+        rows.append({"layout": layout.label(), "predicted_s": pred, "measured_s": meas, "memory_bytes": mem})
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    big = with_overrides(cfg, ["model.preset=70b", "model.n_layers=80", "model.dim=8192",
+                               "model.n_heads=64", "model.n_kv_heads=8", "model.ffn_dim=28672",
+                               "model.vocab_size=128256", "train.global_batch=1024", "train.seq_len=4096",
+                               "train.compute_dtype=bfloat16", "model.attention=blockwise"])
+    from jaxpar.train.builtin import llama_model_factory
+    from jaxpar.train.model import ModelDef
+    t0 = time.perf_counter()
+    h100s = load_cluster("h100_80gb_x8").with_devices(1024)
+    res = search(big, h100s, ModelDef.from_factory(llama_model_factory(big)))
+    plan_s = time.perf_counter() - t0
+    return {"cluster": cluster.name, "layouts": rows, "spearman": rho, "plan_70b_1024_s": plan_s,
+            "plan_70b_best": res.ranked[0].layout.label() if res.ranked else None,
+            "plan_70b_considered": res.considered, **describe_config(cfg)}
+
+
+def format_result(r: dict) -> str:
+    rows = [[x["layout"], f"{x['predicted_s'] * 1e3:.1f} ms", f"{x['measured_s'] * 1e3:.1f} ms",
+             f"{x['memory_bytes'] / 2**20:.1f} MiB"] for x in r["layouts"]]
+    return "\n".join([
+        f"planner vs measured step time (cluster {r['cluster']}): Spearman {r['spearman']:.2f} "
+        "(target >= 0.8)",
+        table(["layout", "predicted", "measured", "predicted memory"], rows),
+        f"planning the 70B preset on 1024 H100s: {r['plan_70b_1024_s']:.1f} s (target < 10 s), "
+        f"{r['plan_70b_considered']} layouts, best: {r['plan_70b_best']}"])
