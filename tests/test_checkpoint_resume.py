@@ -201,6 +201,24 @@ def test_elastic_resume_8_to_4_to_2_to_8(work, reference):
     assert rc == 2 and "cannot keep the global batch" in out and "Traceback" not in out, out
 
 
+@pytest.mark.slow
+def test_elastic_resume_replans_with_mesh_auto(work, reference):
+    """`mesh: auto` resumed on 4 devices: the planner (not the fixed adaptation rule) picks the
+    layout for the devices found, under the same global batch, and the losses go on unchanged."""
+    run = work / "auto"
+    (run / "ck" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(work / "ref" / "ck" / "checkpoints" / "4", run / "ck" / "checkpoints" / "4")
+    ref_lines = (work / "ref" / "ck" / "metrics.jsonl").read_text().splitlines()[:4]
+    (run / "ck" / "metrics.jsonl").write_text("\n".join(ref_lines) + "\n")
+    rc, out = cli(work, run, "train.steps=6", "mesh=auto", n_devices=4)
+    assert rc == 0, out
+    assert "planner (mesh: auto, cluster cpu8, 4 devices)" in out and "elastic resume: mesh" not in out, out
+    assert "checkpoints/4 (step 4" in out
+    got = losses(run)
+    for s in range(1, 7):
+        assert abs(got[s] - reference[s]) <= 1e-5 * abs(reference[s]), (s, got[s], reference[s])
+
+
 # ---------------------------------------------------------------- the driver (a subprocess)
 
 

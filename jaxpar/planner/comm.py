@@ -62,13 +62,13 @@ def grad_sync_bytes(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, para
                  jax.tree.leaves(shapes_tree))
     for ax, sds in leaves:
         shape = sds.shape
-        full = plan.spec(ax, shape, "act")  # every mesh axis the rules give this param
-        local = [d // size(tuple(a for a in entry_axes(e) if a not in batch))
-                 for d, e in zip(shape, (*full, *(None,) * (len(shape) - len(full))))]
-        elems = math.prod(local)
         # batch axes that shard the param itself (experts over `expert`) own it: no reduction there
         owned = {a for e in plan.spec(ax, shape, "param") for a in entry_axes(e) if a in batch and a != ZERO}
         reduce_over = tuple(a for a in batch if a not in owned)
+        full = plan.spec(ax, shape, "act")  # every mesh axis the rules give this param
+        local = [d // size(tuple(a for a in entry_axes(e) if a not in reduce_over))
+                 for d, e in zip(shape, (*full, *(None,) * (len(shape) - len(full))))]
+        elems = math.prod(local)
         opt = plan.spec(ax, shape, "opt")
         z = tuple(a for e in opt for a in entry_axes(e) if a in reduce_over)
         nz, rest = size(z), tuple(a for a in reduce_over if a not in z)
