@@ -20,9 +20,10 @@ from jax._src.array import ArrayImpl
 
 from tests.conftest import TINY, tiny_config
 from jaxpar import xla as jxla
-from jaxpar.config import ConfigError, TrainConfig, make_config
+from jaxpar.config import ConfigError, TrainConfig
 from jaxpar.observe import Watchdog
 from jaxpar.train.callbacks import Callback
+from jaxpar.train.loop import NonfiniteWatch
 from jaxpar.train.trainer import Trainer, TrainingStopped
 
 pytestmark = pytest.mark.xdist_group("loop_async")
@@ -144,6 +145,7 @@ def test_prefetch_gives_the_plain_loader_batches_in_order(tr):
     with loader.prefetch(steps, depth=2) as fetched:
         got = list(fetched)
     assert [s for s, _ in got] == steps
+    assert [s for s, _ in loader.prefetch(steps, depth=0)] == steps  # no thread: built in next()
     for s, batch in got:
         want = loader.batch(s)
         assert batch.sharding == want.sharding == tr.spec.batch_sharding
@@ -195,6 +197,18 @@ def test_resume_mid_run_is_bit_exact_with_prefetch(tr, tmp_path):
 
 
 # ---------------------------------------------------------------- the non-finite guard
+
+
+def test_nonfinite_watch_keeps_flags_until_resolved():
+    watch = NonfiniteWatch(limit=3)
+    for step, bad in [(1, 0), (2, 1), (3, 1)]:
+        watch.push(step, jnp.int32(bad))
+    assert watch.streak == 0 and len(watch.pending) == 3  # nothing read yet
+    assert watch.resolve() == [2, 3] and watch.streak == 2 and watch.tripped is None
+    for step, bad in [(4, 1), (5, 1), (6, 0)]:
+        watch.push(step, jnp.int32(bad))
+    assert watch.resolve() == [4] and watch.tripped == (4, 3)  # the streak across two reads
+    assert watch.pending == [] and NonfiniteWatch().resolve() == []
 
 
 def test_skipped_step_reported_at_the_next_log(tr):

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar.checkpoint import truncate_metrics
 from jaxpar.metrics import CompositeWriter, JsonlWriter, Progress, TensorBoardWriter, mfu
@@ -36,7 +37,7 @@ class NonfiniteWatch:
         if not self.pending:
             return []
         steps = [n for n, _ in self.pending]
-        flags = jax.device_get([f for _, f in self.pending])
+        flags = jax.device_get(jnp.stack([f for _, f in self.pending]))  # one read, not one per step
         self.pending, bad = [], []
         for n, flag in zip(steps, flags):
             if not flag:
