@@ -477,7 +477,7 @@ class CheckpointConfig(Strict):
 class XlaConfig(Strict):
     """XLA options, applied by `Trainer` (scripts too), `jaxpar train` and `jaxpar bench` before
     JAX starts (jaxpar/xla.py). `gpu_overlap`: on GPU, the overlap flags of jaxpar.xla's
-    GPU_OVERLAP_FLAGS (latency-hiding scheduler, pipelined collectives in loops, combine
+    gpu_overlap_flags() (latency-hiding scheduler, pipelined collectives in loops, combine
     thresholds, while-loop double buffering). `flags`: more flags; one named like a default
     replaces it (e.g. `--xla_gpu_enable_while_loop_double_buffering=false`)."""
 

@@ -1,26 +1,23 @@
 """XLA options, set before the backend starts (XLA reads XLA_FLAGS once, at its first use)."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 import warnings
 from typing import Callable
 
 from jaxpar.config import Config, ConfigError
 
-# GPU: what the large JAX GPU trainers set to overlap communication with compute. Every name is
-# known to XLA in jaxlib 0.10.2..0.12 (an unknown name in XLA_FLAGS aborts the process;
-# tests/test_loop_async.py starts XLA with all of them). A flag of the same name in `xla.flags`
-# (or already in XLA_FLAGS) replaces the default.
+# GPU: what the large JAX GPU trainers set to overlap communication with compute. Each name was
+# checked against the flag table in jaxlib 0.10.2, 0.11.0, 0.11.2 and 0.12.0.1 (an unknown name
+# in XLA_FLAGS aborts the process; tests/test_loop_async.py starts the installed XLA with all of
+# them). A flag of the same name in `xla.flags` (or already in XLA_FLAGS) replaces the default.
 GPU_OVERLAP_FLAGS = {
     # reorder async collectives around the compute that does not depend on them
     "--xla_gpu_enable_latency_hiding_scheduler": "true",
-    # collectives of a while loop's (layer scan's) iteration i start in iteration i-1 (all-gather)
-    # or finish in iteration i+1 (reduce-scatter, all-reduce), overlapping the neighbouring layer
-    "--xla_gpu_enable_pipelined_all_gather": "true",
-    "--xla_gpu_enable_pipelined_reduce_scatter": "true",
-    "--xla_gpu_enable_pipelined_all_reduce": "true",
     # unroll loops by two so one iteration's collectives overlap the other's compute
     "--xla_gpu_enable_while_loop_double_buffering": "true",
     # combine small collectives up to these sizes (fewer, larger NCCL calls)
@@ -28,6 +25,13 @@ GPU_OVERLAP_FLAGS = {
     "--xla_gpu_all_gather_combine_threshold_bytes": str(128 * 2**20),
     "--xla_gpu_reduce_scatter_combine_threshold_bytes": str(64 * 2**20),
 }
+# The collective pipeliner: a while loop's (the layer scan's) all-gather for iteration i starts in
+# iteration i-1, its reduce-scatter / all-reduce finishes in iteration i+1, overlapping the
+# neighbouring layer. jaxlib >= 0.11.2 spells it --xla_gpu_pipeline_<kind>=on (the older
+# --xla_gpu_enable_pipelined_<kind>=true is a deprecated alias there); older jaxlibs know only
+# the boolean.
+PIPELINED_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+PIPELINE_MODE_SINCE = (0, 11, 2)
 # Dots on XLA:CPU through oneDNN (see XlaConfig.cpu_dots): YNNPACK, the default, leaves bf16
 # dots with a transposed left operand (the weight gradients) to a naive loop. jaxlib >= 0.10.2.
 CPU_ONEDNN_DOT_FLAGS = {
@@ -40,6 +44,24 @@ def _gpu_plugin_present() -> bool:
     return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
+def _jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's version, read from its metadata (importing it would start nothing,
+    but this module must not import JAX)."""
+    try:
+        text = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return (0,)
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:4])
+
+
+def gpu_overlap_flags(jaxlib: tuple[int, ...] | None = None) -> dict[str, str]:
+    """The GPU overlap defaults (name -> value) in the spelling of `jaxlib` (default: installed)."""
+    new = (jaxlib if jaxlib is not None else _jaxlib_version()) >= PIPELINE_MODE_SINCE
+    pipelined = [(f"--xla_gpu_pipeline_{k}", "on") if new else (f"--xla_gpu_enable_pipelined_{k}", "true")
+                 for k in PIPELINED_COLLECTIVES]
+    return {**GPU_OVERLAP_FLAGS, **dict(pipelined)}
+
+
 def _name(flag: str) -> str:
     return flag.split("=")[0]
 
@@ -49,7 +71,7 @@ def xla_flags(cfg: Config) -> list[str]:
     `xla.flags`."""
     defaults: dict[str, str] = {}
     if cfg.xla.gpu_overlap and _gpu_plugin_present():
-        defaults.update(GPU_OVERLAP_FLAGS)
+        defaults.update(gpu_overlap_flags())
     cpu_dots = cfg.xla.cpu_dots
     if cpu_dots == "auto":
         cpu_dots = "onednn" if cfg.train.compute_dtype in ("bfloat16", "float16") else "default"

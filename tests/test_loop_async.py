@@ -280,8 +280,13 @@ def test_xla_flags_defaults_overrides_and_errors(monkeypatch):
     own = "--xla_gpu_enable_while_loop_double_buffering=false"
     flags = jxla.xla_flags(tiny_config(f"xla.flags=[{own}]"))
     names = [f.split("=")[0] for f in flags]
-    assert set(jxla.GPU_OVERLAP_FLAGS) <= set(names) and len(names) == len(set(names))
+    assert set(jxla.gpu_overlap_flags()) <= set(names) and len(names) == len(set(names))
     assert own in flags  # replaces the default of that name
+    # the collective pipeliner's switch in each jaxlib's spelling (both checked against their flags)
+    assert "--xla_gpu_pipeline_all_gather=on" in flags  # jaxlib 0.12 here
+    old = jxla.gpu_overlap_flags((0, 10, 2))
+    assert old["--xla_gpu_enable_pipelined_reduce_scatter"] == "true"
+    assert not any("pipeline_" in k for k in old)
     assert jxla.xla_flags(tiny_config("xla.gpu_overlap=false")) == []  # float32: no oneDNN either
 
     with pytest.raises(ConfigError, match=r"xla.flags entry 'xla_gpu_foo' is not an XLA flag"):
@@ -297,7 +302,7 @@ def test_xla_flags_defaults_overrides_and_errors(monkeypatch):
     logs = []
     with pytest.warns(UserWarning, match="xla_gpu_enable_latency_hiding_scheduler"):
         assert jxla.apply_xla_flags(tiny_config(), log=logs.append) == []
-    assert "xla_gpu_enable_pipelined_all_gather" in logs[0]
+    assert "--xla_gpu_pipeline_all_gather=on" in logs[0]
     monkeypatch.setenv("XLA_FLAGS", " ".join(jxla.xla_flags(tiny_config())))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -333,7 +338,7 @@ def test_trainer_applies_xla_flags_in_a_script(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     [line] = [x for x in out.stdout.splitlines() if x.startswith("XLA_FLAGS=")]
     flags = json.loads(line.split("=", 1)[1]).split()
-    for name, value in jxla.GPU_OVERLAP_FLAGS.items():
+    for name, value in jxla.gpu_overlap_flags().items():
         if name != own.split("=")[0]:
             assert f"{name}={value}" in flags
     assert own in flags and "--xla_cpu_use_onednn=true" in flags  # bf16 compute: oneDNN dots

@@ -291,9 +291,9 @@ class Trainer:
         watch = NonfiniteWatch(t.max_nonfinite if t.skip_nonfinite else None)
         done = step = start_step  # steps completed
         rollbacks, finished, self.preempted = 0, False, None
-        batches = self._batches(step)
         for cb in self.callbacks:
             cb.on_start(self, start_step, state)
+        batches = self._batches(step)
         try:
             with Preemption(cfg.checkpoint.preemption_grace_s, self.log) as preemption:
                 while step < t.steps:
