@@ -525,6 +525,14 @@ class WatchdogConfig(Strict):
     abort: bool = False
     exit_code: int = Field(3, ge=1, le=255)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_sync(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "sync" in data:
+            raise ValueError("observe.watchdog.sync is gone: the watchdog now waits for each step's "
+                             "result in its own thread and never holds the loop; remove the setting")
+        return data
+
 
 class ObserveConfig(Strict):
     prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig)

@@ -291,6 +291,10 @@ def test_xla_flags_defaults_overrides_and_errors(monkeypatch):
 
     with pytest.raises(ConfigError, match=r"xla.flags entry 'xla_gpu_foo' is not an XLA flag"):
         tiny_config("xla.flags=[xla_gpu_foo]")
+    with pytest.raises(ConfigError, match=r"data.prefetch = -1: Input should be greater than or equal to 0"):
+        tiny_config("data.prefetch=-1")
+    with pytest.raises(ConfigError, match=r"observe.watchdog.sync is gone: the watchdog now waits"):
+        tiny_config("observe.watchdog.sync=false")
 
     # JAX has started in this process: the config's own flags cannot apply -> an error naming them
     jax.devices()
