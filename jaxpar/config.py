@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -349,7 +350,9 @@ class TrainConfig(Strict):
     # The loss over chunks of this many tokens (train/loss.DeferredLogits): the float32
     # [batch, seq, vocab] logits never exist at once (4 GB per 8K-token sequence at vocab 128K).
     loss_chunk: int | None = Field(None, gt=0)
-    log_every: int = Field(1, gt=0)
+    # Metrics stay on the devices between logged steps: a log (every `log_every` steps, the first
+    # and the last) is the loop's only wait for the devices, besides checkpoints and evals.
+    log_every: int = Field(10, gt=0)
     progress: bool = True
     resume: str = Field("auto", description="auto (latest good checkpoint of the run), never, or a path")
     # Start a fresh run from other weights (a resumed run keeps its own): `hf:DIR` (a Hugging Face
@@ -421,6 +424,10 @@ class DataConfig(Strict):
     # Synthetic data has no documents: any eval_fraction evaluates on rows training never draws.
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     eval_paths: list[str] = Field(default_factory=list)
+    # Batches a background thread builds and places on the devices ahead of the step that
+    # takes them (0: built in the loop, between steps). Batches depend on the step only, so
+    # resuming is exact either way.
+    prefetch: int = Field(2, ge=0)
 
     @model_validator(mode="after")
     def _bin(self) -> "DataConfig":
@@ -478,7 +485,11 @@ class CheckpointConfig(Strict):
 
 
 class XlaConfig(Strict):
-    """XLA options. On GPU the latency-hiding scheduler overlaps collectives with compute."""
+    """XLA options, applied by `Trainer` (scripts too), `jaxpar train` and `jaxpar bench` before
+    JAX starts (jaxpar/xla.py). `gpu_overlap`: on GPU, the overlap flags of jaxpar.xla's
+    gpu_overlap_flags() (latency-hiding scheduler, pipelined collectives in loops, combine
+    thresholds, while-loop double buffering). `flags`: more flags; one named like a default
+    replaces it (e.g. `--xla_gpu_enable_while_loop_double_buffering=false`)."""
 
     gpu_overlap: bool = True
     # XLA:CPU's default dot library (YNNPACK) cannot take a bf16 dot whose left operand is
@@ -487,6 +498,15 @@ class XlaConfig(Strict):
     # auto: oneDNN when train.compute_dtype is 16-bit (in float32 XLA's default is faster).
     cpu_dots: Literal["auto", "onednn", "default"] = "auto"
     flags: list[str] = Field(default_factory=list)
+
+    @field_validator("flags")
+    @classmethod
+    def _flag_syntax(cls, v: list[str]) -> list[str]:
+        for f in v:
+            if not re.fullmatch(r"--[A-Za-z0-9_]+(=\S*)?", f):
+                raise ValueError(f"xla.flags entry {f!r} is not an XLA flag; write --name=value "
+                                 "(e.g. --xla_gpu_enable_latency_hiding_scheduler=true), one flag each")
+        return v
 
 
 class PrometheusConfig(Strict):
@@ -503,16 +523,25 @@ class PrometheusConfig(Strict):
 class WatchdogConfig(Strict):
     """Hang and straggler watchdog: warns (with every thread's Python stack) when a step takes
     more than `straggler_factor` x the median of the last `window` steps, or when no step
-    finishes within `timeout_s`; with `abort` a hang exits the process with `exit_code`."""
+    finishes within `timeout_s`; with `abort` a hang exits the process with `exit_code`. A step
+    finishes when its result is ready on the devices: a watchdog thread waits for it, the loop
+    never does."""
 
     enabled: bool = False
     timeout_s: float = Field(900.0, gt=0)
     straggler_factor: float = Field(3.0, gt=1)
     window: int = Field(50, ge=1)
     min_steps: int = Field(5, ge=1, description="steps timed before the straggler check starts")
-    sync: bool = Field(True, description="wait for each step's result, so times are device times")
     abort: bool = False
     exit_code: int = Field(3, ge=1, le=255)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_sync(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "sync" in data:
+            raise ValueError("observe.watchdog.sync is gone: the watchdog now waits for each step's "
+                             "result in its own thread and never holds the loop; remove the setting")
+        return data
 
 
 class ObserveConfig(Strict):

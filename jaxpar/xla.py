@@ -1,59 +1,112 @@
-"""XLA options, set before the backend starts (XLA reads XLA_FLAGS once)."""
+"""XLA options, set before the backend starts (XLA reads XLA_FLAGS once, at its first use)."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
+import warnings
 from typing import Callable
 
-from jaxpar.config import Config
+from jaxpar.config import Config, ConfigError
 
-# Overlap collectives with compute on GPU: the latency-hiding scheduler reorders async
-# collectives around independent compute. Flags that every supported jaxlib knows.
-GPU_OVERLAP_FLAGS = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-)
+# GPU: what the large JAX GPU trainers set to overlap communication with compute. Each name was
+# checked against the flag table in jaxlib 0.10.2, 0.11.0, 0.11.2 and 0.12.0.1 (an unknown name
+# in XLA_FLAGS aborts the process; tests/test_loop_async.py starts the installed XLA with all of
+# them). A flag of the same name in `xla.flags` (or already in XLA_FLAGS) replaces the default.
+GPU_OVERLAP_FLAGS = {
+    # reorder async collectives around the compute that does not depend on them
+    "--xla_gpu_enable_latency_hiding_scheduler": "true",
+    # unroll loops by two so one iteration's collectives overlap the other's compute
+    "--xla_gpu_enable_while_loop_double_buffering": "true",
+    # combine small collectives up to these sizes (fewer, larger NCCL calls)
+    "--xla_gpu_all_reduce_combine_threshold_bytes": str(512 * 2**20),
+    "--xla_gpu_all_gather_combine_threshold_bytes": str(128 * 2**20),
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes": str(64 * 2**20),
+}
+# The collective pipeliner: a while loop's (the layer scan's) all-gather for iteration i starts in
+# iteration i-1, its reduce-scatter / all-reduce finishes in iteration i+1, overlapping the
+# neighbouring layer. jaxlib >= 0.11.2 spells it --xla_gpu_pipeline_<kind>=on (the older
+# --xla_gpu_enable_pipelined_<kind>=true is a deprecated alias there); older jaxlibs know only
+# the boolean.
+PIPELINED_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+PIPELINE_MODE_SINCE = (0, 11, 2)
 # Dots on XLA:CPU through oneDNN (see XlaConfig.cpu_dots): YNNPACK, the default, leaves bf16
 # dots with a transposed left operand (the weight gradients) to a naive loop. jaxlib >= 0.10.2.
-CPU_ONEDNN_DOT_FLAGS = (
-    "--xla_cpu_use_onednn=true",
-    "--xla_cpu_experimental_onednn_fusion_type=LIBRARY_FUSION_TYPE_DOT",
-)
+CPU_ONEDNN_DOT_FLAGS = {
+    "--xla_cpu_use_onednn": "true",
+    "--xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+}
 
 
 def _gpu_plugin_present() -> bool:
     return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
+def _jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's version, read from its metadata (importing it would start nothing,
+    but this module must not import JAX)."""
+    try:
+        text = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return (0,)
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:4])
+
+
+def gpu_overlap_flags(jaxlib: tuple[int, ...] | None = None) -> dict[str, str]:
+    """The GPU overlap defaults (name -> value) in the spelling of `jaxlib` (default: installed)."""
+    new = (jaxlib if jaxlib is not None else _jaxlib_version()) >= PIPELINE_MODE_SINCE
+    pipelined = [(f"--xla_gpu_pipeline_{k}", "on") if new else (f"--xla_gpu_enable_pipelined_{k}", "true")
+                 for k in PIPELINED_COLLECTIVES]
+    return {**GPU_OVERLAP_FLAGS, **dict(pipelined)}
+
+
+def _name(flag: str) -> str:
+    return flag.split("=")[0]
+
+
 def xla_flags(cfg: Config) -> list[str]:
-    """The XLA flags jaxpar wants for this config: platform defaults, then `xla.flags`."""
-    flags = []
+    """The XLA flags jaxpar wants for this config: platform defaults, replaced or extended by
+    `xla.flags`."""
+    defaults: dict[str, str] = {}
     if cfg.xla.gpu_overlap and _gpu_plugin_present():
-        flags += GPU_OVERLAP_FLAGS
+        defaults.update(gpu_overlap_flags())
     cpu_dots = cfg.xla.cpu_dots
     if cpu_dots == "auto":
         cpu_dots = "onednn" if cfg.train.compute_dtype in ("bfloat16", "float16") else "default"
     if cpu_dots == "onednn":  # only XLA:CPU reads these; harmless beside a GPU
-        flags += CPU_ONEDNN_DOT_FLAGS
-    return flags + list(cfg.xla.flags)
+        defaults.update(CPU_ONEDNN_DOT_FLAGS)
+    own = {_name(f) for f in cfg.xla.flags}
+    return [f"{k}={v}" for k, v in defaults.items() if k not in own] + list(cfg.xla.flags)
 
 
 def _names(flags: str) -> set[str]:
-    return {f.split("=")[0] for f in flags.split()}
+    return {_name(f) for f in flags.split()}
 
 
 def apply_xla_flags(cfg: Config, log: Callable[[str], None] | None = None) -> list[str]:
-    """Append the config's flags to XLA_FLAGS (user-set flags of the same name win). Once the
-    JAX backend has started, XLA_FLAGS is read already: then say so (through `log`) instead."""
+    """Append the config's flags to XLA_FLAGS (flags already there win) and return those added.
+
+    Once JAX's backend has started, XLA_FLAGS has been read: a flag the config names in
+    `xla.flags` is then a ConfigError (the run would silently go without it); a missing default
+    is a warning (`log` and `warnings.warn`) naming the flags."""
     wanted = xla_flags(cfg)
     current = os.environ.get("XLA_FLAGS", "")
-    added = [f for f in wanted if f.split("=")[0] not in _names(current)]
+    added = [f for f in wanted if _name(f) not in _names(current)]
     if not added:
         return []
     if _backend_started():
+        how = ("create the Trainer (or call jaxpar.xla.apply_xla_flags) before the first JAX "
+               "computation, or put them in the XLA_FLAGS environment variable")
+        explicit = [f for f in added if f in cfg.xla.flags]
+        if explicit:
+            raise ConfigError(f"xla.flags={explicit!r} cannot take effect: JAX's backend has already "
+                              f"started and read XLA_FLAGS; {how}")
+        msg = f"JAX started before jaxpar could set the XLA options {' '.join(added)}; {how}"
+        warnings.warn(msg, stacklevel=2)
         if log is not None:
-            log(f"warning: JAX started before jaxpar could set XLA options {' '.join(added)}; "
-                f"create the Trainer before the first JAX call, or put them in XLA_FLAGS")
+            log(f"warning: {msg}")
         return []
     os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
     return added

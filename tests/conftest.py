@@ -20,6 +20,7 @@ TINY = [
     "model.preset=tiny", "model.n_layers=2", "train.global_batch=16", "train.seq_len=32",
     "train.compute_dtype=float32", "train.progress=false", "data.source=synthetic",
     "optimizer.warmup_steps=0", "train.steps=3",  # lr non-zero from step 1
+    "train.log_every=1",  # tests read every step's record (the default logs every 10th)
 ]
 
 

@@ -34,7 +34,8 @@ name: mh
 model: {{preset: tiny, n_layers: 2}}
 mesh: {{data: 2, fsdp: 2, tensor: 2}}
 sharding: {{zero_stage: 1}}
-train: {{steps: {STEPS}, global_batch: 16, seq_len: 32, compute_dtype: float32, progress: false}}
+train: {{steps: {STEPS}, global_batch: 16, seq_len: 32, compute_dtype: float32, progress: false,
+        log_every: 1}}
 optimizer: {{warmup_steps: 1, decay_steps: {STEPS}}}
 data: {{source: synthetic}}
 checkpoint: {{every: 3, keep_last: 3}}

@@ -173,13 +173,13 @@ def test_watchdog_reports_hang_and_straggler_with_stacks(trainer, tmp_path, capl
 
 def test_watchdog_abort_and_exemptions():
     codes = []
-    wd = Watchdog(timeout_s=0.2, abort=True, exit_code=7, sync=False, exit_fn=codes.append, poll_s=0.02)
+    wd = Watchdog(timeout_s=0.2, abort=True, exit_code=7, exit_fn=codes.append, poll_s=0.02)
     wd.on_start(SimpleNamespace(), 0, None)
     time.sleep(0.6)
     wd.close()
     assert codes == [7] and wd.reports[0]["kind"] == "hang" and wd.reports[0]["step"] == 1
 
-    wd = Watchdog(timeout_s=60, straggler_factor=3, min_steps=2, sync=False)
+    wd = Watchdog(timeout_s=60, straggler_factor=3, min_steps=2)
     wd.on_start(SimpleNamespace(), 0, None)
     for step in range(1, 5):  # warm-up step, then three timed steps
         time.sleep(0.02)

@@ -4,12 +4,13 @@
 it into sharded global arrays of shape [global_batch, seq_len + 1].
 """
 from jaxpar.data.binfile import open_bin, write_bin
-from jaxpar.data.loader import DataLoader, StreamSource, TokenSource, build_source, global_batch
+from jaxpar.data.loader import DataLoader, Prefetcher, StreamSource, TokenSource, build_source, global_batch
 from jaxpar.data.synthetic import SyntheticSource
 from jaxpar.data.text import decode, encode, load_corpus
 
 __all__ = [
     "DataLoader",
+    "Prefetcher",
     "StreamSource",
     "SyntheticSource",
     "TokenSource",

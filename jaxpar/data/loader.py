@@ -7,8 +7,10 @@ any subset of rows gives exactly the values those rows have in the full batch.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 import jax
 import numpy as np
@@ -154,6 +156,10 @@ class DataLoader:
         """The batch of `step` (pure: same step, same batch; does not move `position`)."""
         return global_batch(self.source, step, self.global_batch, self.seq_len, self.sharding)
 
+    def prefetch(self, steps: Iterable[int], depth: int) -> "Prefetcher":
+        """The batches of `steps`, in order, built up to `depth` ahead by a background thread."""
+        return Prefetcher(self.batch, steps, depth)
+
     def __iter__(self) -> "DataLoader":
         return self
 
@@ -167,3 +173,68 @@ class DataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["step"])
+
+
+class Prefetcher:
+    """`make(s)` for each s of `steps`, in order. A daemon thread builds them (host rows, then the
+    transfer to the devices) up to `depth` ahead of the consumer, so batch building overlaps the
+    running step; depth 0 builds each in `next()`. An error building a batch is raised by the
+    `next()` that would have returned it. `close()` stops the thread (a rollback, the loop's end)."""
+
+    _END = object()
+
+    def __init__(self, make, steps: Iterable[int], depth: int) -> None:
+        self.make, self.depth = make, depth
+        self._steps = iter(steps)
+        self._stop = threading.Event()
+        self._thread = None
+        if depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=depth)
+            self._thread = threading.Thread(target=self._fill, name="jaxpar-prefetch", daemon=True)
+            self._thread.start()
+
+    def _fill(self) -> None:
+        try:
+            for s in self._steps:
+                if not self._put((s, self.make(s))):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> tuple[int, jax.Array]:
+        """(step, its batch)."""
+        if self._thread is None:
+            s = next(self._steps)
+            return s, self.make(s)
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(self._END)  # StopIteration again on the next call
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -25,7 +25,7 @@ def build_callbacks(cfg, out_dir: str | Path | None = None) -> list:
         cbs.append(PrometheusExporter(p.host, p.port, p.all_processes, run=cfg.name))
     w = cfg.observe.watchdog
     if w.enabled:  # last: its step times include the other callbacks' work
-        cbs.append(Watchdog(w.timeout_s, w.straggler_factor, w.window, w.min_steps, w.sync,
+        cbs.append(Watchdog(w.timeout_s, w.straggler_factor, w.window, w.min_steps,
                             w.abort, w.exit_code, log_dir=out))
     return cbs
 

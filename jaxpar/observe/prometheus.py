@@ -110,8 +110,9 @@ class _Collector:
         c = CounterMetricFamily("jaxpar_steps", "Optimizer steps completed by this process", labels=names)
         c.add_metric(values, snap["steps_done"])
         yield c
-        g = gauge("jaxpar_last_step_timestamp_seconds", "Unix time the last step finished (hang alerts)",
-                  snap["last_step_time"])
+        g = gauge("jaxpar_last_step_timestamp_seconds",
+                  "Unix time the loop last finished a step on the host (its device work may still run; "
+                  "hang alerts)", snap["last_step_time"])
         if g is not None:
             yield g
         rec = snap["record"]

@@ -11,8 +11,11 @@ and the Python stack of every thread (the training thread's stack shows where it
 step's dispatch, a `device_get`, a checkpoint save...). It is also appended to `watchdog.log` in
 the run dir, and kept in `Watchdog.reports`.
 
-Step times are wall times between consecutive steps' ends, callbacks included; with `sync` the
-watchdog waits for each step's result first, so asynchronous dispatch does not hide device time.
+A step ends when its result is ready on the devices. The loop never waits for that (it
+dispatches ahead, jaxpar/train/trainer.py): `on_step_end` queues the step's metrics and a second
+thread (`jaxpar-watchdog-ready`) waits for each in turn, so step times are the times between
+consecutive results (device time, or the host's when the host is slower), and a step stuck on
+the devices (a collective waiting for a peer) or in the host loop stops the clock either way.
 A step during which a checkpoint save was recorded (`record_checkpoint_save`) or a profile window
 started or stopped is not judged (`exempt_current_step`).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -60,21 +64,23 @@ def thread_stacks() -> str:
 
 class Watchdog(Callback):
     def __init__(self, timeout_s: float = 900.0, straggler_factor: float = 3.0, window: int = 50,
-                 min_steps: int = 5, sync: bool = True, abort: bool = False, exit_code: int = 3,
+                 min_steps: int = 5, abort: bool = False, exit_code: int = 3,
                  log_dir: str | Path | None = None, poll_s: float | None = None,
                  exit_fn: Callable[[int], Any] = os._exit) -> None:
         self.timeout_s, self.factor, self.min_steps = timeout_s, straggler_factor, min_steps
-        self.sync, self.abort, self.exit_code, self.exit_fn = sync, abort, exit_code, exit_fn
+        self.abort, self.exit_code, self.exit_fn = abort, exit_code, exit_fn
         self.log_path = Path(log_dir) / "watchdog.log" if log_dir is not None else None
         self.poll_s = poll_s if poll_s is not None else min(max(timeout_s / 10, 0.05), 10.0)
         self.times: deque[float] = deque(maxlen=window)
         self.reports: list[dict] = []
-        self._last = 0.0  # perf_counter at the last step end (or loop start)
-        self._step = 0  # steps completed
+        self._last = 0.0  # perf_counter at the last step's result (or the loop's start)
+        self._step = 0  # steps whose results are ready
         self._exempt_seen = 0
         self._stalled_since: float | None = None  # a hang already reported for this wait
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ready: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue()  # (step, arrays, exempt) of dispatched steps
         self._first = True
         self._collectives = ""
 
@@ -88,15 +94,49 @@ class Watchdog(Callback):
         if self._thread is None:
             self._thread = threading.Thread(target=self._monitor, name="jaxpar-watchdog", daemon=True)
             self._thread.start()
+        if self._ready is None:
+            self._ready = threading.Thread(target=self._wait_results, name="jaxpar-watchdog-ready",
+                                           daemon=True)
+            self._ready.start()
 
     def on_step_end(self, trainer: Any, step: int, state: Any, metrics: Any) -> None:
-        if self.sync:
-            jax.block_until_ready(metrics)
+        seen = _exempt[0]
+        saved, self._exempt_seen = seen != self._exempt_seen, seen
+        leaves = [x for x in jax.tree.leaves(metrics) if isinstance(x, jax.Array)]
+        if self._ready is None:  # not started through on_start: judge at once
+            self._finished(step, saved)
+        else:
+            self._queue.put((step, leaves, saved))
+
+    def on_end(self, trainer: Any, step: int, state: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Judge the steps still queued (waiting for their results), then stop both threads."""
+        if self._ready is not None:
+            self._queue.put(None)
+            self._ready.join(timeout=self.timeout_s)  # a step stuck on the devices: give up
+            self._ready = None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    # -------------------------------------------------------------- internals
+
+    def _wait_results(self) -> None:
+        while (item := self._queue.get()) is not None:
+            step, leaves, saved = item
+            try:
+                jax.block_until_ready(leaves)  # this thread waits; the loop runs on
+            except Exception:  # noqa: BLE001 (a failed step: the loop raises it)
+                pass
+            self._finished(step, saved)
+
+    def _finished(self, step: int, saved: bool) -> None:
         now = time.perf_counter()
         dt, self._last, self._step = now - self._last, now, step
         self._stalled_since = None
-        seen = _exempt[0]
-        saved, self._exempt_seen = seen != self._exempt_seen, seen
         if self._first or saved:  # warm-up, a checkpoint save, a profiler start: not judged
             self._first = False
             return
@@ -107,17 +147,6 @@ class Watchdog(Callback):
                              f"step {step} took {dt:.3f}s, {dt / median:.1f}x the median "
                              f"{median:.3f}s of the last {len(self.times)} steps")
         self.times.append(dt)
-
-    def on_end(self, trainer: Any, step: int, state: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-
-    # -------------------------------------------------------------- internals
 
     def _monitor(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -1,43 +1,57 @@
-"""The pieces of Trainer.fit that keep state across steps: the non-finite flags read one step
-late, and the log records (throughput, MFU) that go to the writers, progress bar and callbacks."""
+"""The pieces of Trainer.fit that keep state across steps: the non-finite flags, kept on the
+devices until the loop has to look at them, and the log records (throughput, MFU) that go to the
+writers, progress bar and callbacks."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar.checkpoint import truncate_metrics
 from jaxpar.metrics import CompositeWriter, JsonlWriter, Progress, TensorBoardWriter, mfu
 
 
 class NonfiniteWatch:
-    """The step's `nonfinite` flag, read when the next step has been dispatched (reading it at once
-    would stall the host on the device every step). `on_bad()` is called for each bad step."""
+    """Each step's on-device `nonfinite` flag (the step itself already skipped the update). The
+    flags wait on the devices until `resolve()` (at a log, a checkpoint, the end) fetches all of
+    them in one transfer: reading each at once would stall the host on the devices every step.
 
-    def __init__(self, on_bad: Callable[[], None]):
-        self.on_bad = on_bad
-        self.pending: tuple[int, Any] | None = None
-        self.streak = 0    # bad steps in a row
-        self.last_bad = 0  # the step count after the last bad step
+    `resolve()` returns the bad steps it learned of and counts the streak of bad steps in a row;
+    when the streak reaches `limit`, `tripped` is (that step, the streak) and the flags after it
+    are dropped (the loop stops or rolls back to before the streak)."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit
+        self.pending: list[tuple[int, Any]] = []
+        self.streak = 0    # bad steps in a row, up to the last resolved step
+        self.tripped: tuple[int, int] | None = None
 
     def push(self, step: int, flag) -> None:
-        self.consume()
-        self.pending = (step, flag)
+        if flag is not None:
+            self.pending.append((step, flag))
 
-    def consume(self) -> None:
-        if self.pending is None:
-            return
-        (n, flag), self.pending = self.pending, None
-        if flag is not None and bool(jax.device_get(flag)):
-            self.on_bad()
-            self.streak, self.last_bad = self.streak + 1, n
-        else:
-            self.streak = 0
+    def resolve(self) -> list[int]:
+        if not self.pending:
+            return []
+        steps = [n for n, _ in self.pending]
+        flags = jax.device_get(jnp.stack([f for _, f in self.pending]))  # one read, not one per step
+        self.pending, bad = [], []
+        for n, flag in zip(steps, flags):
+            if not flag:
+                self.streak = 0
+                continue
+            bad.append(n)
+            self.streak += 1
+            if self.limit is not None and self.streak >= self.limit:
+                self.tripped = (n, self.streak)
+                break
+        return bad
 
     def reset(self) -> None:
-        self.pending, self.streak = None, 0
+        self.pending, self.streak, self.tripped = [], 0, None
 
 
 class StepLog:
@@ -60,7 +74,8 @@ class StepLog:
 
     def record(self, step: int, metrics: dict) -> dict:
         tr = self.trainer
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items() if k != "nonfinite"}
+        metrics = {k: float(v) for k, v in jax.device_get(
+            {k: v for k, v in metrics.items() if k != "nonfinite"}).items()}
         now = time.perf_counter()
         dt, self.last, self.last_step = (now - self.last) / (step - self.last_step), now, step
         rec = {"step": step, **metrics, "tokens_per_s": self.tokens_per_step / dt, "step_time_s": dt}

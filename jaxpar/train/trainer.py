@@ -260,49 +260,74 @@ class Trainer:
 
         With `out_dir` (and checkpoint.enabled): resumes per train.resume when `state` is None,
         saves checkpoints every checkpoint.every steps and at the end, and on SIGTERM/SIGINT
-        finishes the step, saves and returns (`self.preempted` names the signal)."""
+        finishes the step, saves and returns (`self.preempted` names the signal).
+
+        The loop never waits for the devices between logged steps: it dispatches the next step
+        while the last runs, the batches come from a prefetch thread (data.prefetch), and the
+        metrics and non-finite flags stay on the devices until a log, checkpoint or eval step."""
         cfg, t = self.cfg, self.cfg.train
         out_dir = Path(out_dir) if out_dir is not None else None
         ckpt, state, start_step = self._begin(state, start_step, out_dir)
         log = StepLog(self, out_dir, start_step, t.progress if progress is None else progress)
         step_fn = self.compiled or self.compile()
         barrier("fit start")  # processes start their collectives together
-        watch = NonfiniteWatch(on_bad=self._count_skipped)
+        watch = NonfiniteWatch(t.max_nonfinite if t.skip_nonfinite else None)
         done = step = start_step  # steps completed
         rollbacks, finished, self.preempted = 0, False, None
         for cb in self.callbacks:
             cb.on_start(self, start_step, state)
+        batches = self._batches(step)
         try:
             with Preemption(cfg.checkpoint.preemption_grace_s, self.log) as preemption:
                 while step < t.steps:
-                    state, metrics = step_fn(state, self.loader.batch(self.data_step(step)))
+                    _, batch = next(batches)
+                    state, metrics = step_fn(state, batch)
                     step = done = step + 1
                     watch.push(step, metrics.get("nonfinite"))
                     for cb in self.callbacks:
                         cb.on_step_end(self, step, state, metrics)
                     evaluated = self._evaluate(step, state, metrics, log)
-                    if step % t.log_every == 0 or step == t.steps or step == 1 or evaluated:
-                        watch.consume()
+                    logged = step % t.log_every == 0 or step == t.steps or step == 1 or evaluated
+                    saving = ckpt is not None and step % cfg.checkpoint.every == 0
+                    if logged or saving:
+                        self._learn_skipped(watch, log)
+                    if logged:
                         log.record(step, metrics)
-                    if t.skip_nonfinite and watch.streak >= t.max_nonfinite:
-                        state, step = self._on_nonfinite_streak(ckpt, state, watch.last_bad, watch.streak,
-                                                                rollbacks)
+                    if watch.tripped:
+                        batches.close()
+                        state, step = self._on_nonfinite_streak(ckpt, state, *watch.tripped, rollbacks)
                         watch.reset()
                         done, rollbacks = step, rollbacks + 1
                         log.truncate(step)
+                        batches = self._batches(step)
                         continue
-                    if ckpt is not None and step % cfg.checkpoint.every == 0:
-                        watch.consume()
+                    if saving:
                         self.save(ckpt, step, state)
                     if preemption.should_stop(step):
                         self.preempted = preemption.requested
                         break
-                watch.consume()
+                self._learn_skipped(watch, log)  # after a preemption: counted in the last save
                 self._final_save(ckpt, done, start_step, state)
             finished = True
         finally:
+            batches.close()
             self._end(ckpt, finished, log, done, state)
         return state, log.history
+
+    def _batches(self, step: int):
+        """The batches of steps `step`.. (their data steps, fixed now: a rollback starts anew)."""
+        steps = [self.data_step(s) for s in range(step, self.cfg.train.steps)]
+        return self.loader.prefetch(steps, self.cfg.data.prefetch)
+
+    def _learn_skipped(self, watch: NonfiniteWatch, log: StepLog) -> None:
+        """Fetch the pending non-finite flags (one transfer) and report the skipped steps."""
+        bad = watch.resolve()
+        if not bad:
+            return
+        self.skipped_steps += len(bad)
+        which = f"step {bad[0]}" if len(bad) == 1 else "steps " + ", ".join(map(str, bad))
+        log.bar.write(f"{which}: loss or gradient norm not finite, update skipped "
+                      f"({self.skipped_steps} skipped so far)", self.log)
 
     def _begin(self, state, start_step: int, out_dir: Path | None):
         """(checkpointer or None, the state to start from, its step): resumed per train.resume
@@ -326,9 +351,6 @@ class Trainer:
         msg = f"step {step}: eval_loss {metrics['eval_loss']:.4f}, eval_ppl {metrics['eval_ppl']:.2f}"
         log.bar.write(msg, self.log)
         return True
-
-    def _count_skipped(self) -> None:
-        self.skipped_steps += 1
 
     def _final_save(self, ckpt, done: int, start_step: int, state) -> None:
         """The last step is saved (unless it already was) and every save has landed."""

@@ -1,0 +1,350 @@
+"""The loop that never waits for the host (issue 16, deliverable 3) and the XLA options that
+Trainer applies (deliverable 2). One compiled trainer (the tiny model, whose NaN-on-negative-token
+twin lets a test poison chosen data steps) is shared by the loop tests."""
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.array import ArrayImpl
+
+from tests.conftest import TINY, tiny_config
+from jaxpar import xla as jxla
+from jaxpar.config import ConfigError, TrainConfig
+from jaxpar.observe import Watchdog
+from jaxpar.train.callbacks import Callback
+from jaxpar.train.loop import NonfiniteWatch
+from jaxpar.train.trainer import Trainer, TrainingStopped
+
+pytestmark = pytest.mark.xdist_group("loop_async")
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 9
+
+
+class PoisonSource:
+    """The rows of the `bad` data steps start with token -1, which the model turns into NaN."""
+
+    def __init__(self, base, bad=()):
+        self.base, self.bad = base, set(bad)
+
+    def rows(self, step, row_indices, seq_len):
+        rows = self.base.rows(step, row_indices, seq_len)
+        if step in self.bad:
+            rows = rows.copy()
+            rows[:, 0] = -1
+        return rows
+
+
+@pytest.fixture(scope="module")
+def trainer(devices):
+    from models.llama import Llama
+
+    class Poisoned(Llama):
+        def __call__(self, tokens):
+            bad = (tokens < 0).any()
+            return super().__call__(jnp.maximum(tokens, 0)) * jnp.where(bad, jnp.nan, 1.0)
+
+    cfg = tiny_config("mesh.data=4", "mesh.tensor=2", f"train.steps={STEPS}", "train.max_nonfinite=2",
+                      "checkpoint.every=1000")
+    tr = Trainer(cfg, model_factory=lambda rngs: Poisoned(cfg.model, rngs), devices=devices,
+                 log=lambda s: None)
+    tr.compile()
+    tr.clean_source = tr.loader.source
+    return tr
+
+
+@pytest.fixture
+def tr(trainer):
+    """The shared trainer, put back as it was after each test (log, callbacks, loop settings)."""
+    t, d, c = trainer.cfg.train, trainer.cfg.data, trainer.cfg.checkpoint
+    saved = (t.log_every, d.prefetch, c.every, trainer.callbacks, trainer.log)
+    trainer.loader.source = PoisonSource(trainer.clean_source)
+    yield trainer
+    t.log_every, d.prefetch, c.every, trainer.callbacks, trainer.log = saved
+    trainer.loader.source = trainer.clean_source
+
+
+# ---------------------------------------------------------------- no blocking transfers
+
+
+class TransferLog(Callback):
+    """Counts device-to-host reads on the training thread, by the step the loop is at (the last
+    step whose on_step_end ran), and holds jax's transfer guard closed between steps that are
+    not `allowed`. On CPU the guard sees nothing (CPU buffers are host memory), so every
+    ArrayImpl._value read (device_get, float, bool, int, item, tolist) is counted too."""
+
+    def __init__(self, allowed: set[int], monkeypatch, guard: bool = True):
+        self.allowed, self.step, self.reads, self.use_guard = allowed, 0, [], guard
+        self.guard = None
+        main, original = threading.main_thread(), ArrayImpl._value
+
+        def counted(array):
+            if threading.current_thread() is main:
+                self.reads.append(self.step)
+            return original.fget(array)
+
+        monkeypatch.setattr(ArrayImpl, "_value", property(counted))
+
+    def on_step_end(self, trainer, step, state, metrics):
+        self._open()
+        self.step = step
+        if step not in self.allowed and self.use_guard:
+            self.guard = jax.transfer_guard_device_to_host("disallow")
+            self.guard.__enter__()
+
+    def on_end(self, trainer, step, state):
+        self._open()
+
+    def _open(self):
+        if self.guard is not None:
+            self.guard.__exit__(None, None, None)
+            self.guard = None
+
+
+class ReadEveryStep(Callback):
+    """What the loop used to do: read a metric as soon as the step returns."""
+
+    def on_step_end(self, trainer, step, state, metrics):
+        float(metrics["loss"])
+
+
+def test_no_blocking_transfer_between_log_steps(tr, tmp_path, monkeypatch):
+    assert TrainConfig().log_every > 1  # the default
+    tr.cfg.train.log_every, tr.cfg.checkpoint.every = 4, 6
+    allowed = {1, 4, 8, 9} | {6}  # logs (first, every 4th, last) and the checkpoint
+    probe = TransferLog(allowed, monkeypatch)
+    tr.callbacks = [probe]
+    _, hist = tr.fit(tr.init_state(), out_dir=tmp_path, progress=False)
+    assert [h["step"] for h in hist] == [1, 4, 8, 9]
+    assert set(probe.reads) >= {1, 4, 8, 9}  # the probe sees the loop's reads at its logs ...
+    assert set(probe.reads) - {0} <= allowed, sorted(probe.reads)  # ... and no others
+    assert (tmp_path / "checkpoints" / "6").is_dir()
+
+    # the probe fails a loop that reads a metric every step
+    probe = TransferLog(allowed, monkeypatch, guard=False)  # (the guard would raise off CPU)
+    tr.callbacks = [probe, ReadEveryStep()]
+    tr.fit(tr.init_state(), start_step=5, progress=False)
+    assert {6, 7} <= set(probe.reads)
+
+
+# ---------------------------------------------------------------- prefetch and resume
+
+
+def test_prefetch_gives_the_plain_loader_batches_in_order(tr):
+    loader, steps = tr.loader, [0, 1, 2, 5, 7, 3]
+    with loader.prefetch(steps, depth=2) as fetched:
+        got = list(fetched)
+    assert [s for s, _ in got] == steps
+    assert [s for s, _ in loader.prefetch(steps, depth=0)] == steps  # no thread: built in next()
+    for s, batch in got:
+        want = loader.batch(s)
+        assert batch.sharding == want.sharding == tr.spec.batch_sharding
+        np.testing.assert_array_equal(np.asarray(batch), np.asarray(want))
+
+    class Failing:
+        def rows(self, step, row_indices, seq_len):
+            if step == 2:
+                raise ConfigError("data step 2 is broken")
+            return tr.clean_source.rows(step, row_indices, seq_len)
+
+    loader.source = Failing()
+    fetched = loader.prefetch(range(5), depth=2)
+    assert [next(fetched)[0], next(fetched)[0]] == [0, 1]
+    with pytest.raises(ConfigError, match="data step 2 is broken"):
+        next(fetched)  # raised where step 2's batch is taken, in the loop's thread
+    fetched.close()
+    assert fetched._thread is None and not any(t.name == "jaxpar-prefetch" for t in threading.enumerate())
+
+
+class StopAt(Callback):
+    """SIGTERM after step `at` (the loop saves and returns)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, trainer, step, state, metrics):
+        if step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_resume_mid_run_is_bit_exact_with_prefetch(tr, tmp_path):
+    tr.cfg.train.log_every, tr.cfg.data.prefetch = 3, 2
+    ref, ref_hist = tr.fit(tr.init_state(), progress=False)
+    ref = jax.device_get(ref["params"])
+
+    run = tmp_path / "run"
+    tr.callbacks = [StopAt(5)]  # a non-log step: the prefetch thread is ahead of the loop
+    tr.fit(out_dir=run, progress=False)
+    assert tr.preempted == "SIGTERM" and (run / "checkpoints" / "5").is_dir()
+    tr.callbacks = []
+    resumed, hist = tr.fit(out_dir=run, progress=False)  # resumes from step 5
+    assert [h["step"] for h in hist] == [6, 9]
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed["params"])), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(a, b)
+    assert hist[-1]["loss"] == ref_hist[-1]["loss"]
+    recs = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert recs == [1, 3, 6, 9]
+
+
+# ---------------------------------------------------------------- the non-finite guard
+
+
+def test_nonfinite_watch_keeps_flags_until_resolved():
+    watch = NonfiniteWatch(limit=3)
+    for step, bad in [(1, 0), (2, 1), (3, 1)]:
+        watch.push(step, jnp.int32(bad))
+    assert watch.streak == 0 and len(watch.pending) == 3  # nothing read yet
+    assert watch.resolve() == [2, 3] and watch.streak == 2 and watch.tripped is None
+    for step, bad in [(4, 1), (5, 1), (6, 0)]:
+        watch.push(step, jnp.int32(bad))
+    assert watch.resolve() == [4] and watch.tripped == (4, 3)  # the streak across two reads
+    assert watch.pending == [] and NonfiniteWatch().resolve() == []
+
+
+def test_skipped_step_reported_at_the_next_log(tr):
+    tr.cfg.train.log_every = 4
+    tr.loader.source.bad = {5}  # data step 5 = step 6
+    events = []
+    tr.log = lambda msg: events.append(msg)
+
+    class Events(Callback):
+        def on_step_end(self, trainer, step, state, metrics):
+            events.append(f"end {step}")
+
+        def on_log(self, trainer, record):
+            events.append(f"log {record['step']}")
+
+    tr.callbacks = [Events()]
+    _, hist = tr.fit(tr.init_state(), progress=False)
+    msg = "step 6: loss or gradient norm not finite, update skipped (1 skipped so far)"
+    assert events == ["end 1", "log 1", "end 2", "end 3", "end 4", "log 4", "end 5", "end 6", "end 7",
+                      "end 8", msg, "log 8", "end 9", "log 9"]  # learnt at the log of step 8
+    assert [h["skipped_steps"] for h in hist] == [0, 0, 1, 1]
+
+    # a streak of max_nonfinite=2 (steps 6, 7) found at the log of step 8 names those steps
+    tr.loader.source.bad = {5, 6}
+    with pytest.raises(TrainingStopped, match=r"2 non-finite steps in a row \(steps 6..7;"):
+        tr.fit(tr.init_state(), progress=False)
+
+
+# ---------------------------------------------------------------- the watchdog
+
+
+def test_watchdog_reports_a_step_stuck_on_the_device(tr, caplog):
+    """Step 5's result is held on the device (a host callback inside a computation) for 4s: the
+    watchdog reports it as hanging while the loop, which does not wait, dispatches on."""
+    stall_s, timeout_s = 4.0, 1.5
+    hold = jax.jit(lambda x: jax.pure_callback(lambda v: (time.sleep(stall_s), v)[1],
+                                               jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    compiled, dispatched = tr.compiled, []
+
+    def step_fn(state, batch):
+        state, metrics = compiled(state, batch)
+        if len(dispatched) == 4:  # step 5
+            metrics = {**metrics, "loss": hold(jax.device_put(metrics["loss"], one_device))}
+        dispatched.append(time.time())
+        return state, metrics
+
+    wd = Watchdog(timeout_s=timeout_s, straggler_factor=1.5, min_steps=2, poll_s=0.05)
+    tr.cfg.train.log_every = 100
+    tr.callbacks, tr.compiled = [wd], step_fn
+    try:
+        with caplog.at_level(logging.WARNING, logger="jaxpar.observe.watchdog"):
+            tr.fit(tr.init_state(), progress=False)
+    finally:
+        tr.compiled = compiled
+    [hang] = [r for r in wd.reports if r["kind"] == "hang"]
+    assert hang["step"] == 5 and hang["elapsed_s"] > timeout_s
+    # the loop had dispatched beyond step 5 before the watchdog saw step 5 finish
+    assert sum(t < hang["time"] for t in dispatched) > 5
+    assert 5 in [r["step"] for r in wd.reports if r["kind"] == "straggler"]
+    assert wd._thread is None and wd._ready is None
+
+
+# ---------------------------------------------------------------- XLA options
+
+
+def test_xla_flags_defaults_overrides_and_errors(monkeypatch):
+    monkeypatch.setattr(jxla, "_gpu_plugin_present", lambda: True)  # as on a GPU machine
+    own = "--xla_gpu_enable_while_loop_double_buffering=false"
+    flags = jxla.xla_flags(tiny_config(f"xla.flags=[{own}]"))
+    names = [f.split("=")[0] for f in flags]
+    assert set(jxla.gpu_overlap_flags()) <= set(names) and len(names) == len(set(names))
+    assert own in flags  # replaces the default of that name
+    # the collective pipeliner's switch in each jaxlib's spelling (both checked against their flags)
+    assert "--xla_gpu_pipeline_all_gather=on" in flags  # jaxlib 0.12 here
+    old = jxla.gpu_overlap_flags((0, 10, 2))
+    assert old["--xla_gpu_enable_pipelined_reduce_scatter"] == "true"
+    assert not any("pipeline_" in k for k in old)
+    assert jxla.xla_flags(tiny_config("xla.gpu_overlap=false")) == []  # float32: no oneDNN either
+
+    with pytest.raises(ConfigError, match=r"xla.flags entry 'xla_gpu_foo' is not an XLA flag"):
+        tiny_config("xla.flags=[xla_gpu_foo]")
+    with pytest.raises(ConfigError, match=r"data.prefetch = -1: Input should be greater than or equal to 0"):
+        tiny_config("data.prefetch=-1")
+    with pytest.raises(ConfigError, match=r"observe.watchdog.sync is gone: the watchdog now waits"):
+        tiny_config("observe.watchdog.sync=false")
+
+    # JAX has started in this process: the config's own flags cannot apply -> an error naming them
+    jax.devices()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    with pytest.raises(ConfigError, match=r"xla.flags=\['--xla_cpu_use_thunk_runtime=true'\] cannot "
+                       r"take effect: JAX's backend has already started"):
+        Trainer(tiny_config("xla.flags=[--xla_cpu_use_thunk_runtime=true]"))
+    # ... and the defaults it cannot apply a warning naming them
+    logs = []
+    with pytest.warns(UserWarning, match="xla_gpu_enable_latency_hiding_scheduler"):
+        assert jxla.apply_xla_flags(tiny_config(), log=logs.append) == []
+    assert "--xla_gpu_pipeline_all_gather=on" in logs[0]
+    monkeypatch.setenv("XLA_FLAGS", " ".join(jxla.xla_flags(tiny_config())))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jxla.apply_xla_flags(tiny_config()) == []  # already set: nothing to say
+
+
+SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {root!r})
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jaxpar.xla
+jaxpar.xla._gpu_plugin_present = lambda: True  # as on a GPU machine (XLA:CPU parses GPU flags too)
+import jax
+from jaxpar.config import make_config
+from jaxpar.train.trainer import Trainer
+cfg = make_config({{"xla": {{"flags": [{dump!r}, {own!r}]}}}},
+                  {tiny!r} + ["train.compute_dtype=bfloat16", "checkpoint.enabled=false"])
+trainer = Trainer(cfg, log=print)
+jax.jit(lambda x: x + 1)(1.0)
+print("XLA_FLAGS=" + json.dumps(os.environ["XLA_FLAGS"]))
+"""
+
+
+def test_trainer_applies_xla_flags_in_a_script(tmp_path):
+    """A user's script: Trainer before any JAX computation. Every flag lands in XLA_FLAGS, XLA
+    knows every name (an unknown one aborts the process) and honours them (the dump is written)."""
+    dump, own = tmp_path / "dump", "--xla_gpu_enable_while_loop_double_buffering=false"
+    script = SCRIPT.format(root=str(ROOT), dump=f"--xla_dump_to={dump}", own=own, tiny=TINY)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [line] = [x for x in out.stdout.splitlines() if x.startswith("XLA_FLAGS=")]
+    flags = json.loads(line.split("=", 1)[1]).split()
+    for name, value in jxla.gpu_overlap_flags().items():
+        if name != own.split("=")[0]:
+            assert f"{name}={value}" in flags
+    assert own in flags and "--xla_cpu_use_onednn=true" in flags  # bf16 compute: oneDNN dots
+    assert "warning" not in out.stdout
+    assert any("jit__lambda" in p.name for p in dump.iterdir())
