@@ -9,6 +9,7 @@
   compression  gradient-reduction bytes per step per compression method (HLO) and loss beside none
   convert   Hugging Face import / export MB/s of a ~300 MB checkpoint (safetensors <-> sharded params)
   attention  temp memory per device and time of xla vs blockwise attention at 2K / 8K tokens
+  packing   data.packing on the stdlib tokenized by a BPE: padding per seq_len, packed step's cost
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
 benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "pipeline": "jaxpar.bench.pipeline",
     "convert": "jaxpar.bench.convert",
     "attention": "jaxpar.bench.attention",
+    "packing": "jaxpar.bench.packing",
 }
 
 
