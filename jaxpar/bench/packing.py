@@ -82,7 +82,9 @@ def run(cfg: Config, log=print) -> dict:
 
 
 def format_result(res: dict) -> str:
-    head = f"packing: {res['documents']} documents, {res['tokens']:,} tokens ({res['config']})"
+    m = res["config"]["model"]
+    head = (f"packing: {res['documents']} documents, {res['tokens']:,} tokens (BPE vocab {VOCAB}); model dim "
+            f"{m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads")
     plans = table(["seq", "rows", "padding", "docs split", "counted targets/row", "plan s"],
                   [[p["seq"], p["rows"], f"{p['padding']:.1%}", p["split_docs"],
                     f"{p['counted_per_row']:.0f}", f"{p['plan_s']:.2f}"] for p in res["plans"]])

@@ -1,11 +1,11 @@
 """data.packing: whole documents packed into rows, each row a pure function of (seed, step, row).
 
 A plan is made once per sequence length from the document lengths alone (no token is read):
-the documents, in an order shuffled by the seed, fill rows of seq_len + 1 tokens next-fit; one
-that does not fit the open row starts a new one, so a document shorter than a row is never cut.
-A document longer than a row is cut into pieces of seq_len + 1 tokens overlapping by one token
-(each a row of its own, so every target inside the document is in exactly one row), its last
-piece packed like a short document. "Not read" is nearly true: one token per document, its last,
+documents fill rows of seq_len + 1 tokens best-fit decreasing (longest first, each into the open
+row it fills most tightly, a new row when none has room), so a document shorter than a row is
+never cut. A document longer than a row is cut into pieces of seq_len + 1 tokens overlapping by
+one token (each a row of its own, so every target inside the document is in exactly one row),
+its last piece packed like a short document. "Not read" is nearly true: one token per document, its last,
 says whether it ends with EOS. The rest of a row is padding: EOS tokens, whose targets the loss
 skips (jaxpar/train/batch.py reads the documents back from the EOS tokens). Row i of step s is
 plan row hash(seed, s, i) mod rows, drawn as the stream source draws its windows: resuming at
@@ -46,33 +46,45 @@ class Plan:
 
 def plan_rows(lengths: np.ndarray, add_eos: np.ndarray, row_len: int, seed: int) -> Plan:
     """The packing plan of documents of `lengths` tokens (plus one EOS where `add_eos`) into rows
-    of `row_len` tokens; piece starts are offsets into each document (see PackedSource)."""
+    of `row_len` tokens, best-fit decreasing: the pieces, longest first (ties in an order shuffled
+    by `seed`), each into the open row it fills most tightly; piece starts are offsets into each
+    document (see PackedSource)."""
     order = np.random.default_rng([seed & 0xFFFF_FFFF, _SALT]).permutation(len(lengths))
-    full: list[tuple[int, int]] = []  # (document, offset) of the full-row pieces: a row each
-    doc, start, length, eos, ptr = [], [], [], [], [0]
-    used = 0  # tokens in the open row
+    pieces = []  # (total tokens with the added EOS, document, offset, tokens read, adds an EOS)
     for d in order.tolist():
         n, add = int(lengths[d]), bool(add_eos[d])
         a, total = 0, n + add
         if total < 2:  # no target inside
             continue
         while total > row_len:  # the next piece starts on this one's last token
-            full.append((d, a))
+            pieces.append((row_len, d, a, row_len, False))
             a, n, total = a + row_len - 1, n - (row_len - 1), total - (row_len - 1)
-        if used + total > row_len:
-            ptr.append(len(doc))
-            used = 0
-        doc.append(d), start.append(a), length.append(n), eos.append(add)
-        used += total
-    if used:
-        ptr.append(len(doc))
-    for d, a in full:
-        doc.append(d), start.append(a), length.append(row_len), eos.append(False)
-        ptr.append(len(doc))
-    if len(ptr) < 2:
+        pieces.append((total, d, a, n, add))
+    pieces.sort(key=lambda p: -p[0])  # stable: ties keep the shuffled order
+    rows: list[list[tuple]] = []
+    open_rows: list[list[int]] = [[] for _ in range(row_len + 1)]  # free tokens -> rows with that many
+    free = 0  # bit c set: some open row has exactly c free tokens
+    for piece in pieces:
+        need = piece[0]
+        fits = free >> need
+        if fits:  # the open row with the fewest free tokens that still holds the piece
+            c = need + (fits & -fits).bit_length() - 1
+            r = open_rows[c].pop()
+            if not open_rows[c]:
+                free &= ~(1 << c)
+        else:
+            r, c = len(rows), row_len
+            rows.append([])
+        rows[r].append(piece)
+        if c - need >= 2:  # room for a document with a target
+            open_rows[c - need].append(r)
+            free |= 1 << (c - need)
+    if not rows:
         raise ConfigError("data.packing: the corpus has no document of two or more tokens to train on")
-    return Plan(np.asarray(doc, np.int64), np.asarray(start, np.int64), np.asarray(length, np.int64),
-                np.asarray(eos, bool), np.asarray(ptr, np.int64))
+    flat = [p for row in rows for p in row]
+    ptr = np.concatenate([[0], np.cumsum([len(row) for row in rows])])
+    col = lambda i, dt: np.asarray([p[i] for p in flat], dt)
+    return Plan(col(1, np.int64), col(2, np.int64), col(3, np.int64), col(4, bool), ptr.astype(np.int64))
 
 
 @dataclass(eq=False)
