@@ -278,6 +278,22 @@ def test_packed_step_loss_and_gradients_equal_the_per_document_reference(layout,
     assert max(jax.tree.leaves(errs)) < 2e-5, errs
 
 
+def test_local_sgd_replicas_each_get_the_mean_over_their_own_documents(corpus, devices, reference):
+    """Under local SGD each replica's gradient is the mean over the targets of its own rows (its
+    count psum'd within the replica only)."""
+    path, _ = corpus
+    rows, _, _ = reference
+    trainer = Trainer(packed_cfg(path, "mesh.data=2", "local_sgd.sync_every=2"), devices=devices[:2], log=QUIET)
+    state = trainer.init_state()
+    params = jax.device_get(state["params"])  # every replica starts from them (the step donates them)
+    _, metrics = trainer.make_step(return_grads=True)(state, place_batch(trainer, rows))
+    grads = to_numpy(metrics["grads"])
+    for r, part in enumerate(np.split(rows, 2)):  # replica r holds rows of its data index
+        _, ref = per_document_reference(trainer, params, part)
+        errs = jax.tree.map(lambda g, x: float(np.abs(g[r] - x).max() / (np.abs(x).max() + 1e-12)), grads, ref)
+        assert max(jax.tree.leaves(errs)) < 2e-5, (r, errs)
+
+
 def test_packing_changes_the_loss_the_reference_can_tell(reference, corpus, devices):
     """The same rows unpacked (attention across documents, every target counted) give another
     loss, so the comparison above can fail."""

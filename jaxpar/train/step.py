@@ -109,8 +109,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         params = jax.tree.map(lambda p: vary(p, busy), params)
         count = None
         if batch.weights is not None:  # the targets that count, over the devices of one gradient
-            count = batch.token_count()
-            count = (jax.lax.psum(count, batch_busy) if batch_busy else count) / sync.replicas
+            within = tuple(a for a in batch_busy if a not in sync.replica_axes)
+            count = jax.lax.psum(batch.token_count(), within) if within else batch.token_count()
         loss = MicrobatchLoss.for_batch(loss_sum_fn, batch.tokens.shape, group, accumulate.microbatches,
                                         count)
         mbs = jax.tree.map(lambda a: a.reshape(accumulate.microbatches, -1, *a.shape[1:]), batch)
