@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.attention import blockwise_attention, cudnn_attention, xla_attention
+from jaxpar.attention import attention, blockwise_attention, cudnn_attention, xla_attention
 from jaxpar.config import ConfigError
 from jaxpar.data import DataLoader, build_source, write_bin
 from jaxpar.data.packing import PackedSource, eos_boundaries
@@ -179,6 +179,8 @@ IMPLEMENTATIONS = {
     "blockwise-8": lambda *a, **kw: blockwise_attention(*a, block=8, **kw),
     "blockwise-12": lambda *a, **kw: blockwise_attention(*a, block=12, **kw),  # ragged: 32 = 2*12 + 8
     "cudnn": cudnn_attention,
+    # auto: cudnn on a GPU in 16 bits, else blockwise from the threshold on (here), else xla
+    "auto": lambda *a, **kw: attention(*a, implementation="auto", block=8, threshold=16, **kw),
 }
 
 

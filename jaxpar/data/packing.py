@@ -21,7 +21,7 @@ from jaxpar.config import ConfigError
 from jaxpar.data.binfile import check_ids
 from jaxpar.data.keys import row_keys
 
-_SALT = 0x5041434B  # "PACK": the plan's and the epochs' random streams
+_SALT = 0x5041434B  # "PACK": the random streams of the plan's tie order and of the row draws
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,9 @@ class PackedSource:
     def rows(self, step: int, row_indices: np.ndarray, seq_len: int) -> np.ndarray:
         plan = self.plan(seq_len)
         picked = row_keys(self.seed, step, row_indices, _SALT) % np.uint64(plan.rows)
-        out = np.stack([self.row(plan, r, seq_len) for r in picked.tolist()])
+        out = np.full((len(picked), seq_len + 1), self.eos_id, np.int64)
+        for i, r in enumerate(picked.tolist()):
+            out[i] = self.row(plan, r, seq_len)
         if self.vocab_size is not None:
             check_ids(out, self.vocab_size, self.name)
         return out.astype(np.int32)
