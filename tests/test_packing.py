@@ -319,6 +319,17 @@ def test_packed_eval_loss_equals_the_per_document_reference(corpus, devices, ref
     assert float(count) == float((rows[:, :-1] != EOS).sum())
 
 
+def test_the_evaluator_weighs_batches_by_their_counted_targets():
+    from jaxpar.train.evaluate import Evaluator
+
+    class Loader:
+        def batch(self, i):
+            return i
+    sums = {0: (10.0, 5.0), 1: (3.0, 1.0)}  # batch means 2 and 3: per target 13 / 6, not 2.5
+    out = Evaluator(lambda params, b: sums[b], Loader(), 2)(None)
+    assert abs(out["eval_loss"] - 13 / 6) < 1e-12
+
+
 # ---------------------------------------------------------------- bad input
 
 
