@@ -428,6 +428,13 @@ class DataConfig(Strict):
     # takes them (0: built in the loop, between steps). Batches depend on the step only, so
     # resuming is exact either way.
     prefetch: int = Field(2, ge=0)
+    # Whole documents packed into each row (jaxpar/data/packing.py): attention never crosses a
+    # document boundary and the loss skips the target after each end-of-text token and the
+    # padding (jaxpar/train/batch.py). Needs documents that end with an end-of-text token: text
+    # with data.tokenizer, or a .bin from `jaxpar data prepare` (its .idx and .json).
+    packing: bool = False
+    # With packing: RoPE positions restart at 0 in each document (else 0..seq_len-1 per row).
+    reset_positions: bool = False
 
     @model_validator(mode="after")
     def _bin(self) -> "DataConfig":
@@ -439,6 +446,16 @@ class DataConfig(Strict):
         if self.source == "synthetic" and self.eval_paths:
             raise ValueError("data.source 'synthetic' reads no files: data.eval_paths needs data.source "
                              "text or bin (synthetic data evaluates with any data.eval_fraction > 0)")
+        if self.reset_positions and not self.packing:
+            raise ValueError("data.reset_positions=true restarts positions per packed document: it needs "
+                             "data.packing=true")
+        if self.packing and self.source == "synthetic":
+            raise ValueError("data.packing=true needs documents; data.source 'synthetic' has none: use "
+                             "data.source text (with data.tokenizer) or bin")
+        if self.packing and self.source == "text" and not self.tokenizer:
+            raise ValueError("data.packing=true needs an end-of-text token between documents, and "
+                             "byte-level text (no data.tokenizer) has none: set data.tokenizer (a "
+                             "tokenizer.json) or use data.source bin")
         if self.source == "bin" and len(self.eval_paths) > 1:
             raise ValueError(f"data.eval_paths={self.eval_paths!r}: with data.source 'bin' give one "
                              ".bin file of held-out tokens")

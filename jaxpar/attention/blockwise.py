@@ -134,6 +134,16 @@ def _add_at(acc, x, i):
     return jax.lax.dynamic_update_index_in_dim(acc, _at(acc, i) + x, i, 0)
 
 
+def _tied(q, *masking):
+    """q and what a tile's mask is made of (positions, segment ids), tied by an optimization
+    barrier: the mask then depends on the tile's data. Left to depend on constants alone (the
+    pair table, the positions) and on segment ids that are the same in every layer, it is
+    invariant in an enclosing loop, and JAX's scan partial evaluation hoists it out of the layer
+    scan as a residual stacked over every (query, key) pair: pred [pairs, b, bq, heads, bk], a
+    seq^2 buffer (144 GiB per device at 256K tokens) where the tiles were meant to keep O(seq)."""
+    return jax.lax.optimization_barrier((q, *masking))
+
+
 def _forward_blocks(t: Tiling, qb, kb, vb, qs, ks):
     """Blocked inputs (leading block dim: qb [nq, b, bq, kv, g, d], kb/vb [nk, b, bk, kv, d],
     segments [n, b, block] or None) -> (output like qb, lse [nq, b, bq, kv, g])."""
@@ -144,8 +154,9 @@ def _forward_blocks(t: Tiling, qb, kb, vb, qs, ks):
     def body(carry, ij):
         i, j = ij[0], ij[1]
         st = State(*(_at(c, i) for c in carry))
-        st = block_forward(st, _at(qb, i), _at(kb, j), _at(vb, j), q_pos[i], k_pos[j], _at(qs, i), _at(ks, j),
-                           causal=t.causal, scale=t.scale)
+        q, qp, kp, q_seg, k_seg = _tied(_at(qb, i), q_pos[i], k_pos[j], _at(qs, i), _at(ks, j))
+        st = block_forward(st, q, _at(kb, j), _at(vb, j), qp, kp, q_seg, k_seg, causal=t.causal,
+                           scale=t.scale)
         return State(*(jax.lax.dynamic_update_index_in_dim(c, x, i, 0) for c, x in zip(carry, st))), None
 
     state, _ = jax.lax.scan(body, state, jnp.asarray(pairs))

@@ -10,6 +10,7 @@
   convert   Hugging Face import / export MB/s of a ~300 MB checkpoint (safetensors <-> sharded params)
   attention  temp memory per device and time of xla vs blockwise attention at 2K / 8K tokens
   planner   predicted vs measured step time over 11 layouts (Spearman), time to plan 70B on 1024 GPUs
+  packing   data.packing on the stdlib tokenized by a BPE: padding per seq_len, packed step's cost
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
 benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
@@ -39,6 +40,7 @@ BENCHMARKS: dict[str, str] = {
     "convert": "jaxpar.bench.convert",
     "attention": "jaxpar.bench.attention",
     "planner": "jaxpar.bench.planner",
+    "packing": "jaxpar.bench.packing",
 }
 
 

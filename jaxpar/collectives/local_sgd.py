@@ -41,6 +41,7 @@ class LocalSGD(GradientSync):
         shape = plan.mesh.shape
         self.cfg = cfg
         self.replicas, self.every = shape.get(AXIS, 1), cfg.sync_every
+        self.replica_axes = (AXIS,)
         if self.replicas < 2:
             raise ConfigError(f"local_sgd.sync_every={cfg.sync_every} needs data-parallel replicas: "
                               "mesh.data > 1")

@@ -71,16 +71,34 @@ def check_head(tokens: np.ndarray, vocab_size: int, path: str) -> None:
     check_ids(np.asarray(tokens[:CHECK_TOKENS]), vocab_size, f"data.bin_path={path!r}")
 
 
+def read_meta(path: str) -> dict:
+    """`<path>.json` (written by `jaxpar data prepare`), or {} when there is none."""
+    meta_path = Path(str(path) + ".json")
+    if not meta_path.is_file():
+        return {}
+    try:
+        return json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{meta_path} is not valid JSON: {e}") from None
+
+
+def eos_id(path: str) -> int:
+    """The end-of-text id that separates the documents of a prepared `.bin` (data.packing)."""
+    eos = read_meta(path).get("eos_id")
+    if eos is None:
+        raise ConfigError(f"data.packing with data.bin_path={path!r} needs the end-of-text id in "
+                          f"{path}.json (written by jaxpar data prepare); prepare the data again or set "
+                          "data.packing=false")
+    return int(eos)
+
+
 def check_meta(path: str, dtype: str, vocab_size: int) -> None:
     """A .bin written by `jaxpar data prepare` names its dtype and vocabulary in `<path>.json`:
     a different data.bin_dtype, or a vocabulary above model.vocab_size, is a ConfigError."""
+    meta = read_meta(path)
     meta_path = Path(str(path) + ".json")
-    if not meta_path.is_file():
+    if not meta:
         return
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{meta_path} is not valid JSON: {e}") from None
     if meta.get("dtype") not in (None, dtype):
         raise ConfigError(f"data.bin_dtype={dtype!r} but {path} holds {meta['dtype']} tokens "
                           f"({meta_path}); set data.bin_dtype={meta['dtype']}")

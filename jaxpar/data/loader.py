@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import binfile, split as split_mod, synthetic, text, tokenizer
+from jaxpar.data import binfile, packing, split as split_mod, synthetic, text, tokenizer
 from jaxpar.data.keys import mix64, row_keys  # noqa: F401 (mix64: re-exported)
 
 
@@ -89,7 +89,11 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "trai
             name += f" ({split} split, data.eval_fraction={frac})"
     if cfg.source == "text" and cfg.tokenizer:
         tokens = tokenizer.tokenized_corpus(paths, cfg.tokenizer, vocab_size, frac, file_split, exclude)
-        return StreamSource(tokens, seed, f"{name} (data.tokenizer={cfg.tokenizer!r})")
+        name = f"{name} (data.tokenizer={cfg.tokenizer!r})"
+        if cfg.packing:
+            eos = tokenizer.Tokenizer(cfg.tokenizer).eos_id
+            return packing.PackedSource(tokens, *packing.eos_boundaries(tokens, eos), eos, seed, name)
+        return StreamSource(tokens, seed, name)
     if cfg.source == "text":
         if vocab_size < text.VOCAB_SIZE:
             raise ConfigError(
@@ -110,11 +114,26 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "trai
         if frac:
             tokens = split_mod.bin_split(tokens, path, frac, split)
             name += f" ({split} split, data.eval_fraction={frac})"
+        if cfg.packing:
+            return _packed_bin(tokens, path, seed, name, vocab_size)
         return StreamSource(tokens, seed, name, vocab_size)
     if cfg.source == "synthetic":
         source = synthetic.SyntheticSource(vocab_size, seed)
         return HeldOutSteps(source) if evaluating else source
     raise ConfigError(f"data.source={cfg.source!r} is not valid; valid: text, bin, synthetic")
+
+
+def _packed_bin(tokens, path: str, seed: int, name: str, vocab_size: int) -> packing.PackedSource:
+    """data.packing over a `.bin`: its documents from the `.idx` (those of the split, when
+    `tokens` is a split's Spans), the end-of-text id from the `.json`."""
+    eos = binfile.eos_id(path)
+    if isinstance(tokens, split_mod.Spans):
+        starts, ends = tokens.starts, tokens.starts + np.diff(tokens.offsets)
+        tokens = tokens.tokens
+    else:
+        idx = split_mod.read_index(tokens, path, "data.packing", "; or set data.packing=false")
+        starts, ends = idx[:-1], idx[1:]
+    return packing.PackedSource(tokens, starts, ends, eos, seed, name, vocab_size)
 
 
 def global_batch(

@@ -67,16 +67,23 @@ class Spans:
         return np.concatenate(out) if out else np.empty(0, self.dtype)
 
 
-def bin_split(tokens: np.ndarray, path: str, fraction: float, split: str) -> Spans:
-    """The documents of `split` in a `.bin` (boundaries from `<path>.idx`, `jaxpar data prepare`)."""
+def read_index(tokens: np.ndarray, path: str, why: str, fix: str = "") -> np.ndarray:
+    """The document boundaries of a `.bin` (its `<path>.idx`, written by `jaxpar data prepare`):
+    document i is tokens idx[i]:idx[i+1]. `why` names the setting that needs them."""
     idx_path = Path(str(path) + ".idx")
     if not idx_path.is_file():
-        raise ConfigError(f"data.eval_fraction={fraction} with data.bin_path={path!r} needs its document "
-                          f"index {idx_path} (written by jaxpar data prepare); or give data.eval_paths")
+        raise ConfigError(f"{why} with data.bin_path={path!r} needs its document "
+                          f"index {idx_path} (written by jaxpar data prepare){fix}")
     idx = np.fromfile(idx_path, dtype="<u8").astype(np.int64)
     if idx.size < 2 or idx[0] != 0 or idx[-1] != tokens.shape[0] or np.any(np.diff(idx) < 0):
         raise ConfigError(f"{idx_path} does not match data.bin_path={path!r} ({tokens.shape[0]} tokens); "
                           "prepare the data again")
+    return idx
+
+
+def bin_split(tokens: np.ndarray, path: str, fraction: float, split: str) -> Spans:
+    """The documents of `split` in a `.bin` (boundaries from `<path>.idx`, `jaxpar data prepare`)."""
+    idx = read_index(tokens, path, f"data.eval_fraction={fraction}", "; or give data.eval_paths")
     pairs = list(zip(idx[:-1].tolist(), idx[1:].tolist()))
     kept = select(pairs, fraction, split, key=lambda p: np.asarray(tokens[p[0]:p[1]]).tobytes())
     check_nonempty(len(kept), len(pairs), fraction, split, f"data.bin_path={path!r}")

@@ -8,7 +8,7 @@ from jaxpar.metrics.flops import (
     peak_flops,
 )
 from jaxpar.metrics.hlo import COLLECTIVE_KINDS, CollectiveOp, collective_bytes, collective_ops
-from jaxpar.metrics.memory import compiled_memory, device_memory_stats
+from jaxpar.metrics.memory import compiled_memory, device_memory_bytes, device_memory_stats
 from jaxpar.metrics.progress import Progress, format_banner
 from jaxpar.metrics.writers import CompositeWriter, JsonlWriter, MetricWriter, TensorBoardWriter
 
@@ -24,6 +24,7 @@ __all__ = [
     "collective_bytes",
     "collective_ops",
     "compiled_memory",
+    "device_memory_bytes",
     "device_memory_stats",
     "format_banner",
     "generic_flops_per_token",

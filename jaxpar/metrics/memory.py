@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+import jax
 
 _COMPILED_FIELDS: dict[str, str] = {
     "argument_bytes": "argument_size_in_bytes",
@@ -55,3 +58,20 @@ def device_memory_stats(device: Any) -> dict[str, int] | None:
     if not stats:
         return None
     return {k: int(v) for k, v in stats.items() if isinstance(v, (int, float))}
+
+
+def device_memory_bytes(device: Any) -> tuple[int | None, str]:
+    """(bytes one device can hold, where the figure comes from): the allocator's limit where the
+    backend reports one (GPU, TPU); on CPU the host's physical memory over this process's CPU
+    devices (forced host devices share it); (None, why) when neither is known."""
+    stats = device_memory_stats(device) or {}
+    if stats.get("bytes_limit"):
+        return stats["bytes_limit"], f"{device.platform} allocator limit"
+    if device.platform == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None, "host memory unknown"
+        n = max(1, sum(d.platform == "cpu" for d in jax.local_devices()))
+        return total // n, f"host memory {total / 2**30:.1f} GiB shared by {n} CPU devices"
+    return None, f"{device.platform} reports no memory limit"

@@ -35,10 +35,11 @@ def step_manual_axes(plan: Plan) -> frozenset[str]:
 class GradientSync:
     """Base class of the gradient syncs (see the module doc). `wire_dtype`: what the default
     reductions send (train.grad_reduce_dtype); `replicas`: how many optimizer replicas step alone
-    (local SGD; one gradient is the mean over batch devices / replicas)."""
+    (local SGD; one gradient is the mean over batch devices / replicas), over `replica_axes`."""
 
     name = "sync"
     replicas = 1
+    replica_axes: tuple[str, ...] = ()
 
     def __init__(self, plan: Plan, grad_specs: Any, final_specs: Any = None, wire_dtype: Any = None):
         self.plan = plan

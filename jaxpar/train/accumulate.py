@@ -2,7 +2,8 @@
 
     accumulate(params, mbs, loss) -> (losses [k], grads, sown [k, ...])
 
-inside the step's shard_map: `mbs` [microbatches, batch, seq + 1] is this device's batch, `loss` a
+inside the step's shard_map: `mbs` is this device's batch as a train.batch.Batch whose fields
+carry a leading microbatch dim (tokens [microbatches, batch, seq + 1]), `loss` a
 train.loss.MicrobatchLoss; `grads` are the local gradients summed over the microbatches (in
 float32 when there are several), each microbatch's passed through the sync's per-microbatch hook
 (ZeRO-2's reduce-scatter). `ScanMicrobatches` runs a lax.scan; with mesh.pipeline > 1 the
@@ -40,7 +41,7 @@ class ScanMicrobatches:
 
     def __call__(self, params, mbs, loss):
         def mb_loss(params, mb):
-            logits, sown = self.forward(params, mb[:, :-1])
+            logits, sown = self.forward(params, mb)
             return loss(logits, mb, sown)
 
         specs = self.sync.grad_out

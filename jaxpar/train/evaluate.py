@@ -12,10 +12,12 @@ import math
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.parallel.sync import is_spec
 from jaxpar.sharding import Plan
+from jaxpar.train.batch import Batch, Documents
 from jaxpar.train.forward import make_forward
 from jaxpar.train.loss import cross_entropy_sum, token_loss_sum
 from jaxpar.train.model import ModelDef
@@ -23,8 +25,10 @@ from jaxpar.train.precision import DTYPES
 
 
 def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, compute_dtype: str,
-                   loss_sum_fn: Callable = cross_entropy_sum, loss_chunk: int | None = None) -> Callable:
-    """A jitted eval(params, tokens) -> the mean token NLL of the global [batch, seq + 1] batch.
+                   loss_sum_fn: Callable = cross_entropy_sum, loss_chunk: int | None = None,
+                   documents: Documents | None = None) -> Callable:
+    """A jitted eval(params, tokens) -> (summed token NLL, counted targets) of the global
+    [batch, seq + 1] batch (with `documents`, data.packing: the targets the train loss counts).
     `params` are the train state's params, in their plan (`param_specs`). The pipeline axis (if
     any) is left to the compiler: the forward runs unstaged, the layer stack gathered by XLA."""
     manual = frozenset(plan.batch_axes)
@@ -32,19 +36,23 @@ def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, 
     busy = tuple(sorted(a for a in manual if sizes[a] > 1))  # sorted: the psum's rounding is fixed
     forward = make_forward(model, plan, manual, DTYPES[compute_dtype], "none", loss_chunk=loss_chunk)
 
-    def local_loss(params, tokens):
-        logits, _ = forward(params, tokens[:, :-1])
-        total = token_loss_sum(loss_sum_fn, logits, tokens[:, 1:])
-        return jax.lax.psum(total, busy) if busy else total
+    as_batch = documents or Batch
+
+    def local_loss(params, batch):
+        logits, _ = forward(params, batch)
+        total = token_loss_sum(loss_sum_fn, logits, batch.targets, batch.weights)
+        out = (total, jnp.asarray(batch.token_count(), jnp.float32))
+        return jax.lax.psum(out, busy) if busy else out
 
     param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), param_specs, is_leaf=is_spec)
     batch_busy = tuple(a for a in plan.batch_axes if sizes[a] > 1)
-    sharded = jax.shard_map(local_loss, mesh=plan.mesh,
-                            in_specs=(param_in, plan.manual_part(plan.batch_spec(), batch_busy)),
-                            out_specs=P(), axis_names=set(manual), check_vma=True)
+    rows = plan.manual_part(plan.batch_spec(), batch_busy)
+    batch_specs = jax.tree.map(lambda _: rows, jax.eval_shape(as_batch, jnp.zeros((2, 2), jnp.int32)))
+    sharded = jax.shard_map(local_loss, mesh=plan.mesh, in_specs=(param_in, batch_specs),
+                            out_specs=(P(), P()), axis_names=set(manual), check_vma=True)
 
     def evaluate(params, tokens):
-        return sharded(params, tokens) / (tokens.shape[0] * (tokens.shape[1] - 1))
+        return sharded(params, as_batch(tokens))
 
     param_shardings = jax.tree.map(plan.sharding, param_specs, is_leaf=is_spec)
     return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding))
@@ -57,6 +65,6 @@ class Evaluator:
         self.eval_step, self.loader, self.batches = eval_step, loader, batches
 
     def __call__(self, params) -> dict[str, float]:
-        losses = [self.eval_step(params, self.loader.batch(i)) for i in range(self.batches)]
-        loss = float(sum(jax.device_get(losses))) / self.batches  # equal token counts per batch
+        sums = jax.device_get([self.eval_step(params, self.loader.batch(i)) for i in range(self.batches)])
+        loss = sum(float(t) for t, _ in sums) / max(sum(float(n) for _, n in sums), 1.0)  # per counted target
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0))}

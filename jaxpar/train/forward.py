@@ -22,15 +22,16 @@ from jaxpar.train.model import ModelDef
 
 @dataclass(frozen=True)
 class Forward:
-    """forward(params, inputs) -> (logits, sown); `ctx` and `prepare_top` are what the pipeline
-    needs to cut the same forward into stages."""
+    """forward(params, batch) -> (logits, sown) of a train.batch.Batch (its inputs, and its
+    segment ids / positions when packed); `ctx` and `prepare_top` are what the pipeline needs to
+    cut the same forward into stages."""
 
     ctx: nn.Context
     prepare_top: Callable
     run: Callable
 
-    def __call__(self, params, inputs):
-        return self.run(params, inputs)
+    def __call__(self, params, batch):
+        return self.run(params, batch)
 
 
 def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dtype, remat: str,
@@ -46,10 +47,10 @@ def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dt
     stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
     prepare_top = lambda st: _prepare_top(st, prepare, stacked)
 
-    def forward(params, inputs):
+    def forward(params, batch):
         state = prepare_top(model.state(params))
         with nn.use_context(ctx), nn.collect_aux() as sown:
-            logits = model.merge(state)(inputs)
+            logits = batch.apply(model.merge(state))
         return logits, dict(sown)
 
     # ZeRO-3: embeddings and head are gathered again for the backward too
@@ -63,7 +64,7 @@ class _Stop(Exception):
 
 
 def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> Callable:
-    """forward(params, tokens) -> (logits, sown) for ZeRO-3. What the model runs before its
+    """forward(params, batch) -> (logits, sown) for ZeRO-3. What the model runs before its
     scan_layers call (the embedding) and after it (final norm, head) each run under a checkpoint
     that saves everything but the gathered weights (ctx.never_save), so the backward gathers them
     again; the layer scan runs between the two, outside any checkpoint, so that its per-layer
@@ -75,13 +76,13 @@ def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> 
     weights: dict = {}  # sown name -> loss weight (static, so kept out of the checkpoints)
     fired: list = []
 
-    def call(params, tokens, hook, prep: bool):
+    def call(params, batch, hook, prep: bool):
         state = model.state(params)
         if prep:
             state = prepare_top(state)
         try:
             with nn.use_context(dataclasses.replace(ctx, layers_hook=hook)), nn.collect_aux() as sown:
-                out = model.merge(state)(tokens)
+                out = batch.apply(model.merge(state))
         except _Stop as stop:
             out = stop.value
         weights.update((k, w) for k, (_, w) in sown.items())
@@ -91,24 +92,24 @@ def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> 
         fired.append(True)
         raise _Stop(carry)
 
-    def pre(params, tokens):
-        return call(params, tokens, stop, True)
+    def pre(params, batch):
+        return call(params, batch, stop, True)
 
-    def layers(params, x, tokens):
+    def layers(params, x, batch):
         def scan(stack, carry, fn):
             raise _Stop(nn.scan_stack(stack, x, fn))
-        return call(params, tokens, scan, False)[0]
+        return call(params, batch, scan, False)[0]
 
-    def post(params, y, tokens):
-        return call(params, tokens, lambda stack, carry, fn: y, True)
+    def post(params, y, batch):
+        return call(params, batch, lambda stack, carry, fn: y, True)
 
-    def forward(params, tokens):
+    def forward(params, batch):
         fired.clear()
-        x, sown_pre = jax.checkpoint(pre, policy=policy)(params, tokens)
+        x, sown_pre = jax.checkpoint(pre, policy=policy)(params, batch)
         if not fired:  # no layer scan: `pre` ran the whole model
             return x, {k: (v, weights[k]) for k, v in sown_pre.items()}
-        y = layers(params, x, tokens)
-        logits, sown_post = jax.checkpoint(post, policy=policy)(params, y, tokens)
+        y = layers(params, x, batch)
+        logits, sown_post = jax.checkpoint(post, policy=policy)(params, y, batch)
         # `post` runs the prologue again (dead code but for the gathers the head shares): what
         # the prologue sowed is taken from `pre`
         return logits, {k: (v, weights[k]) for k, v in {**sown_post, **sown_pre}.items()}

@@ -13,9 +13,11 @@ import optax
 from jaxpar.train.sown import add_sown
 
 
-def cross_entropy_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Summed token NLL in float32."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).sum()
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Summed token NLL in float32; `weights` [b, seq] (packed documents: 0 for a target that does
+    not count) multiply each token's NLL."""
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return (nll if weights is None else nll * weights).sum()
 
 
 @dataclass(frozen=True)
@@ -29,41 +31,53 @@ class DeferredLogits:
     w: jax.Array
     chunk: int  # static (pytree metadata)
 
-    def token_sum(self, sum_fn: Callable, targets: jax.Array) -> jax.Array:
+    def token_sum(self, sum_fn: Callable, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
         b, s, d = self.x.shape
         n = s // self.chunk
-        xs = self.x.reshape(b, n, self.chunk, d).swapaxes(0, 1)
-        ts = targets.reshape(b, n, self.chunk).swapaxes(0, 1)
-        one = jax.checkpoint(lambda x, t, w: sum_fn(jnp.einsum("bsd,dv->bsv", x, w), t))
-        return jax.lax.map(lambda xt: one(xt[0], xt[1], self.w), (xs, ts)).sum()
+        split = lambda a: a.reshape(b, n, self.chunk, *a.shape[2:]).swapaxes(0, 1)
+        logits = lambda x, w: jnp.einsum("bsd,dv->bsv", x, w)
+        if weights is None:
+            one = jax.checkpoint(lambda x, t, w: sum_fn(logits(x, w), t))
+            return jax.lax.map(lambda xt: one(xt[0], xt[1], self.w), (split(self.x), split(targets))).sum()
+        one = jax.checkpoint(lambda x, t, u, w: sum_fn(logits(x, w), t, u))
+        xtu = (split(self.x), split(targets), split(weights))
+        return jax.lax.map(lambda a: one(a[0], a[1], a[2], self.w), xtu).sum()
 
 
 jax.tree_util.register_dataclass(DeferredLogits, data_fields=["x", "w"], meta_fields=["chunk"])
 
 
-def token_loss_sum(sum_fn: Callable, logits, targets: jax.Array) -> jax.Array:
-    """sum_fn(logits, targets) for logits or DeferredLogits (chunk by chunk)."""
+def token_loss_sum(sum_fn: Callable, logits, targets: jax.Array,
+                   weights: jax.Array | None = None) -> jax.Array:
+    """sum_fn(logits, targets[, weights]) for logits or DeferredLogits (chunk by chunk); the
+    weights (packed documents) are passed only when there are some."""
     if isinstance(logits, DeferredLogits):
-        return logits.token_sum(sum_fn, targets)
-    return sum_fn(logits, targets)
+        return logits.token_sum(sum_fn, targets, weights)
+    return sum_fn(logits, targets) if weights is None else sum_fn(logits, targets, weights)
 
 
 @dataclass(frozen=True)
 class MicrobatchLoss:
-    """loss(logits, tokens, sown) -> (value to differentiate, (token loss, sown metrics)) for one
-    microbatch on one device. The token NLL is divided by `n_tokens`, the tokens of the whole batch
-    one gradient is the mean over (this device's batch times `devices`), and the sown values by
-    the microbatch's share of it: summed over microbatches and devices, both are global means."""
+    """loss(logits, batch, sown) -> (value to differentiate, (token loss, sown metrics)) for one
+    microbatch (a train.batch.Batch) on one device. The token NLL is divided by `n_tokens`, the
+    targets that count in the whole batch one gradient is the mean over (static: this device's
+    batch times `devices`; with packed documents a traced global count of the weighted targets),
+    and the sown values by the microbatch's share of it: summed over microbatches and devices,
+    both are global means."""
 
-    sum_fn: Callable[[jax.Array, jax.Array], jax.Array]
-    n_tokens: int
+    sum_fn: Callable[..., jax.Array]
+    n_tokens: int | jax.Array
     share: float
 
     @classmethod
-    def for_batch(cls, sum_fn, local_tokens_shape: tuple[int, int], devices: int, microbatches: int):
-        """`local_tokens_shape`: this device's [batch, seq + 1] (all its microbatches)."""
+    def for_batch(cls, sum_fn, local_tokens_shape: tuple[int, int], devices: int, microbatches: int,
+                  n_tokens: jax.Array | None = None):
+        """`local_tokens_shape`: this device's [batch, seq + 1] (all its microbatches);
+        `n_tokens`: the counted targets when they are not all of them (packed documents)."""
         batch, seq1 = local_tokens_shape
-        return cls(sum_fn, batch * (seq1 - 1) * devices, 1.0 / (devices * microbatches))
+        n = batch * (seq1 - 1) * devices if n_tokens is None else n_tokens
+        return cls(sum_fn, n, 1.0 / (devices * microbatches))
 
-    def __call__(self, logits: jax.Array, tokens: jax.Array, sown: dict):
-        return add_sown(token_loss_sum(self.sum_fn, logits, tokens[:, 1:]) / self.n_tokens, sown, self.share)
+    def __call__(self, logits: jax.Array, batch, sown: dict):
+        total = token_loss_sum(self.sum_fn, logits, batch.targets, batch.weights)
+        return add_sown(total / self.n_tokens, sown, self.share)

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar.parallel.sync import GradientSync, is_spec
 from jaxpar.sharding import Plan, vary
 from jaxpar.train.accumulate import make_accumulation
+from jaxpar.train.batch import Batch, Documents
 from jaxpar.train.forward import make_forward
 from jaxpar.train.gradient_sync import make_sync
 from jaxpar.train.loss import MicrobatchLoss, cross_entropy_sum
@@ -76,7 +77,8 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int, pipeline: Any = None,
                     compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
                     loss_sum_fn: Callable = cross_entropy_sum, loss_chunk: int | None = None,
-                    skip_nonfinite: bool = False, return_grads: bool = False):
+                    skip_nonfinite: bool = False, return_grads: bool = False,
+                    documents: Documents | None = None):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
     [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
     or gradient norm is not finite leaves the state unchanged but for the step counter and reports
@@ -85,7 +87,10 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     metrics["grads"] is what the optimizer receives, after the sync's reduction: the mean gradient
     (replica-stacked under local SGD; 1-bit Adam after its warm-up hands over its reduced
     momentum instead). Microbatch gradients are accumulated in float32. `loss_chunk`
-    (train.loss_chunk): the loss forms the logits that many tokens at a time."""
+    (train.loss_chunk): the loss forms the logits that many tokens at a time. `documents`
+    (data.packing): the rows hold packed documents; their segment ids, positions and target
+    weights are derived from the global batch before the shard_map (train/batch.py) and the loss
+    is the mean over the targets that count (a global count)."""
     sync = spec.sync
     manual, sizes = sync.manual, plan.mesh.shape
     forward = make_forward(model, plan, manual, DTYPES[compute_dtype], remat, sync.wire_dtype, loss_chunk)
@@ -95,15 +100,20 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     busy = tuple(sorted(a for a in manual if sizes[a] > 1))
     group = plan.batch_size_divisor // sync.replicas  # the devices one gradient is the mean over
 
-    def local_grads(params, tokens, comm, extra):
+    def local_grads(params, batch, comm, extra):
         # The params typed as varying over every manual axis (check_vma). Replicated ones would
         # meet the per-device activations through an implicit pvary, whose transpose is a psum:
         # JAX would sum their gradients inside the backward (then the reduction below would add
         # them up again, N times the gradient; in a pipeline, inside a per-stage branch). Varying,
         # each device gets its local gradient, and the sync's reduction is the one that is checked.
         params = jax.tree.map(lambda p: vary(p, busy), params)
-        loss = MicrobatchLoss.for_batch(loss_sum_fn, tokens.shape, group, accumulate.microbatches)
-        mbs = tokens.reshape(accumulate.microbatches, -1, tokens.shape[1])
+        count = None
+        if batch.weights is not None:  # the targets that count, over the devices of one gradient
+            within = tuple(a for a in batch_busy if a not in sync.replica_axes)
+            count = jax.lax.psum(batch.token_count(), within) if within else batch.token_count()
+        loss = MicrobatchLoss.for_batch(loss_sum_fn, batch.tokens.shape, group, accumulate.microbatches,
+                                        count)
+        mbs = jax.tree.map(lambda a: a.reshape(accumulate.microbatches, -1, *a.shape[1:]), batch)
         losses, grads, aux = accumulate(params, mbs, loss)
         grads, comm = sync.reduce(grads, comm, extra)
         mean = lambda x: (jax.lax.psum(x, busy) if busy else x) / sync.replicas
@@ -116,18 +126,20 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     busy_part = lambda s: plan.manual_part(s, batch_busy)
     comm_specs = jax.tree.map(busy_part, sync.comm_specs(), is_leaf=is_spec)
     param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.param_specs, is_leaf=is_spec)
+    as_batch = documents or Batch
+    rows = busy_part(plan.batch_spec())  # every field of the Batch is split by rows like the tokens
+    batch_specs = jax.tree.map(lambda _: rows, jax.eval_shape(as_batch, jnp.zeros((2, 2), jnp.int32)))
     sharded_grads = jax.shard_map(
         sync.wrap(local_grads), mesh=plan.mesh,
-        in_specs=(sync.param_in_specs(param_in), busy_part(plan.batch_spec()), comm_specs,
-                  sync.extra_specs()),
+        in_specs=(sync.param_in_specs(param_in), batch_specs, comm_specs, sync.extra_specs()),
         out_specs=((P(), P()), sync.grads_out_specs(sync.final_out), comm_specs),
         axis_names=set(manual), check_vma=True,
     )
     grad_shardings = sync.grad_shardings()
 
     def step(state, tokens):
-        (loss, aux), grads, comm = sharded_grads(sync.params_in(state), tokens, state.get("comm", {}),
-                                                 sync.extra_inputs(state))
+        (loss, aux), grads, comm = sharded_grads(sync.params_in(state), as_batch(tokens),
+                                                 state.get("comm", {}), sync.extra_inputs(state))
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         metrics = {"loss": loss, "grad_norm": sync.grad_norm(grads), **flat_metrics(aux)}
         update = lambda: sync.apply(tx, grads, comm, state)

@@ -28,9 +28,11 @@ from jaxpar.sharding import Plan, check_replication, per_device_bytes
 from jaxpar.train.layout_checks import check_layout
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import build_optimizer, schedule
+from jaxpar.train.batch import Documents
 from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.loop import NonfiniteWatch, StepLog
 from jaxpar.train.precision import DTYPES, apply_precision, check_precision
+from jaxpar.train.preflight import check_attention_fits, check_step_fits
 from jaxpar.train.evaluate import Evaluator, make_eval_step
 from jaxpar.train.step import make_init, make_step_spec, make_train_step
 from jaxpar.xla import apply_xla_flags
@@ -74,9 +76,12 @@ class Trainer:
         for path, sds in self.model.leaves_with_paths(self.model.shapes).items():
             named[path] = (flat_specs[path], sds.shape, np.dtype(DTYPES[cfg.train.param_dtype]).itemsize)
         self.replication = check_replication(self.plan, named)
+        self.loader = self._loader("train")
+        # data.packing: the step reads the documents out of the rows by the source's end-of-text id
+        self.documents = (Documents(self.loader.source.eos_id, cfg.data.reset_positions)
+                          if cfg.data.packing else None)
         self.step_fn = self.make_step()
         self.init_fn = make_init(self.model, self.tx, self.spec, DTYPES[cfg.train.param_dtype])
-        self.loader = self._loader("train")
         self.evaluator = self.make_evaluator() if cfg.eval.every else None
         if self.flops_per_token is None:
             self.flops_per_token = self._flops_per_token(custom)
@@ -101,14 +106,15 @@ class Trainer:
         kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline,
                   compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat,
                   lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite,
-                  loss_chunk=cfg.train.loss_chunk)
+                  loss_chunk=cfg.train.loss_chunk, documents=self.documents)
         return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
 
     def make_evaluator(self) -> Evaluator:
         """The held-out loss of this config's eval split (eval.batches batches), on this mesh."""
         cfg = self.cfg
         step = make_eval_step(self.model, self.plan, self.spec.param_specs, self.spec.batch_sharding,
-                              compute_dtype=cfg.train.compute_dtype, loss_chunk=cfg.train.loss_chunk)
+                              compute_dtype=cfg.train.compute_dtype, loss_chunk=cfg.train.loss_chunk,
+                              documents=self.documents)
         return Evaluator(step, self._loader("eval"), cfg.eval.batches)
 
     def _loader(self, split: str) -> DataLoader:
@@ -427,7 +433,9 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
         log("resolved config:\n" + cfg.to_yaml())
     extra = [PredictionReport(predicted, log)] if predicted is not None else []
     trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg) + extra + list(callbacks or []))
+    check_attention_fits(cfg, trainer.plan)  # nothing allocated yet, nothing compiled
     compiled = trainer.compile()
+    check_step_fits(cfg, trainer.plan, compiled)  # before the state is allocated
     state, start, where = trainer.restore(plan, out_dir=out)
     log(trainer.banner(compiled, extra={"resumed from" if state is not None else "start": where}))
     if start >= cfg.train.steps:

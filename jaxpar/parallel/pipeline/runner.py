@@ -94,8 +94,9 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
                         scatter: Callable, grad_specs: Any, stacked: set[tuple],
                         manual: tuple[str, ...] = ()) -> Callable:
     """run(params, mbs, loss) -> (losses [1], local grads, sown [1]): the pipelined equivalent
-    of summing jax.value_and_grad(loss) over the microbatches `mbs` [m, b, seq+1], with `loss`
-    the step's train.loss.MicrobatchLoss (the same normalisation and sown weighting).
+    of summing jax.value_and_grad(loss) over the microbatches `mbs` (the step's batch: every
+    field [m, b, ...], tokens [m, b, seq+1]; `mb.apply(model)` runs the model on one), with
+    `loss` the step's train.loss.MicrobatchLoss (the same normalisation and sown weighting).
 
     `prepare_top(state)` casts/gathers the non-layer params, `scatter(grads, specs)` is the
     per-microbatch gradient hook (the sync's: ZeRO-2), `stacked` the param paths with a `layers` dim,
@@ -121,13 +122,13 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         if v > 1:
             lay = {k: to_interleaved(a, p, v) for k, a in lay.items()}
 
-        def call(top, lay_k, tokens, hook, prep):
+        def call(top, lay_k, mb, hook, prep):
             state = model.state(nest({**top, **lay_k}))
             if prep:
                 state = prepare_top(state)
             try:
                 with nn.use_context(dataclasses.replace(ctx, layers_hook=hook)):
-                    return model.merge(state)(tokens[:, :-1])
+                    return mb.apply(model.merge(state))
             except _Stop as stop:
                 return stop.value
 
@@ -163,10 +164,11 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             g = scatter(g, {n: flat_specs[n] for n in g})
             return {n: acc[n] + g[n].astype(acc[n].dtype) for n in acc}
 
-        x_sds = jax.eval_shape(lambda: pre(top, chunk(0), mbs[0]))
+        mb_at = lambda i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), mbs)
+        x_sds = jax.eval_shape(lambda: pre(top, chunk(0), mb_at(0)))
         zeros_x = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), manual), x_sds)
         sown_sds = jax.eval_shape(
-            lambda: post(top, chunk(0), body(top, chunk(0), zeros_x, mbs[0]), mbs[0]))[1][1]
+            lambda: post(top, chunk(0), body(top, chunk(0), zeros_x, mb_at(0)), mb_at(0)))[1][1]
         tree_at = lambda buf, i: jax.tree.map(
             lambda b: jax.lax.dynamic_index_in_dim(b, i, keepdims=False), buf)
 
@@ -211,7 +213,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             at, al, loss, xbuf, gbuf = carry
             r = row[d]
             code, i, k, xs, gs, rx, rg = (r[j] for j in range(7))
-            tok = jax.lax.dynamic_index_in_dim(mbs, i, keepdims=False)
+            tok = mb_at(i)
             x_in, g_in = tree_at(xbuf, xs), tree_at(gbuf, gs)
             at, al, loss, y, dx = jax.lax.switch(code, fns, at, al, loss, x_in, g_in, tok, k)
             x_recv = jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, fwd_perm), y)
