@@ -28,6 +28,7 @@ def assert_matches(got, ref, rtol=1e-5):
 
 CASES = {  # each schedule alone: test_full_matrix; here composed with the other strategies
     "gpipe-p4-microbatches8": (["mesh.pipeline=4", "pipeline.schedule=gpipe", "pipeline.microbatches=8"], 4),
+    "1f1b-p4-recompute": (["mesh.pipeline=4", "train.grad_accum=4", "pipeline.recompute=true"], 4),
     "dp2-pp2-tp2": (["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=2"], 8),
     "fsdp2-pp4-zero3": (["mesh.fsdp=2", "mesh.pipeline=4", "sharding.zero_stage=3",
                          "train.grad_accum=4"], 8),

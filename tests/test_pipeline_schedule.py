@@ -2,9 +2,9 @@
 import pytest
 
 from jaxpar.config import ConfigError
-from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, F_FIRST, F_MID, IDLE,
-                                               SCHEDULES, build_timetable, check_schedule,
-                                               idle_formula)
+from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, BX_FIRST, BX_LAST, BX_MID,
+                                               F_FIRST, F_LAST, F_MID, IDLE, SCHEDULES, SPLIT, W,
+                                               build_timetable, check_schedule, idle_formula)
 
 CASES = [(s, p, m, v) for s in SCHEDULES for p in (2, 4) for m in (p, 2 * p, 4 * p)
          for v in ((2, 3) if s == "interleaved_1f1b" else (1,))]
@@ -16,10 +16,12 @@ def test_idle_fraction_equals_formula(schedule, p, m, v):
     assert tt.idle_fraction() == pytest.approx(idle_formula(schedule, p, m, v), abs=1e-12)
     # Every microbatch runs forward and backward once per global stage.
     ops = sorted((op.kind, op.mb, op.chunk * p + d) for row in tt.grid for d, op in enumerate(row) if op)
-    assert ops == sorted((k, i, g) for k in "BF" for i in range(m) for g in range(p * v))
+    kinds = "BFW" if schedule in SPLIT else "BF"
+    assert ops == sorted((k, i, g) for k in kinds for i in range(m) for g in range(p * v))
 
 
 def test_formulas():
+    assert idle_formula("zb_h1", 4, 8) == pytest.approx(3 / 27)
     assert idle_formula("gpipe", 4, 8) == pytest.approx(3 / 11)
     assert idle_formula("1f1b", 4, 8) == pytest.approx(3 / 11)
     # bubble / compute = (p-1)/m for 1f1b, divided by v interleaved
@@ -30,49 +32,101 @@ def test_formulas():
 @pytest.mark.parametrize("m", [4, 8, 16])
 def test_1f1b_stash_bounded_by_stages_gpipe_by_microbatches(m):
     p = 4
-    one = build_timetable("1f1b", p, m)
+    one = build_timetable("1f1b", p, m, recompute=True)
     assert one.in_flight() == [p - d for d in range(p)]
     assert one.n_x_slots <= p
-    gp = build_timetable("gpipe", p, m)
+    # without recompute: at most p sets of residuals (device 0); inputs wait only for their
+    # forward (the last stage: for its backward, one tick later)
+    stash = build_timetable("1f1b", p, m)
+    assert stash.n_r_slots == p and stash.n_x_slots <= 2
+    gp = build_timetable("gpipe", p, m, recompute=True)
     assert max(gp.in_flight()) == m and gp.n_x_slots == m
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("schedule,p,m,v", CASES)
-def test_codes_and_slots_consistent(schedule, p, m, v):
-    """Replay the table like the runner does: each read finds the value written for it."""
-    if True:
-        tt = build_timetable(schedule, p, m, v)
-        G = p * v
-        xbuf = [dict() for _ in range(p)]
-        gbuf = [dict() for _ in range(p)]
-        for t, row in enumerate(tt.grid):
-            sent_x, sent_g = {}, {}
-            for d, op in enumerate(row):
-                code = tt.code[t, d]
-                if op is None:
-                    assert code == IDLE
-                    continue
-                g = op.chunk * p + d
-                if op.kind == "F":
-                    assert code == (F_FIRST if g == 0 else IDLE if g == G - 1 else F_MID)
-                    if g > 0:
-                        assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
-                    if g < G - 1:
-                        sent_x[(d + 1) % p] = (op.mb, g + 1)
-                else:
-                    assert code == (B_FIRST if g == 0 else B_LAST if g == G - 1 else B_MID)
-                    if g > 0:
-                        assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
-                        sent_g[(d - 1) % p] = (op.mb, g - 1)
-                    if g < G - 1:
-                        assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
-            for d in range(p):
-                assert (tt.recv_x[t, d] >= 0) == (d in sent_x)
-                assert (tt.recv_g[t, d] >= 0) == (d in sent_g)
-                if d in sent_x:
-                    xbuf[d][tt.recv_x[t, d]] = sent_x[d]
-                if d in sent_g:
-                    gbuf[d][tt.recv_g[t, d]] = sent_g[d]
+def test_codes_and_slots_consistent(schedule, p, m, v, recompute):
+    """Replay the table like the runner does: each read finds the value written for it (without
+    recompute a backward reads its forward's residuals instead of the stage input; split, the
+    last stage keeps its output for Bx and its loss cotangent for W)."""
+    split = schedule in SPLIT
+    if split and recompute:
+        with pytest.raises(ConfigError, match="pipeline.recompute=false"):
+            build_timetable(schedule, p, m, v, recompute=True)
+        return
+    tt = build_timetable(schedule, p, m, v, recompute=recompute)
+    G = p * v
+    xbuf, gbuf, rbuf = ([dict() for _ in range(p)] for _ in range(3))
+    assert (tt.n_r_slots == 0) == recompute
+    for t, row in enumerate(tt.grid):
+        sent_x, sent_g = {}, {}
+        for d, op in enumerate(row):
+            code = tt.code[t, d]
+            if op is None:
+                assert code == IDLE
+                continue
+            g = op.chunk * p + d
+            last = g == G - 1
+            kept = not recompute and (not last or split)
+            if op.kind == "F":
+                assert code == (F_FIRST if g == 0 else (F_LAST if split else IDLE) if last else F_MID)
+                if g > 0:
+                    assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
+                if not last:
+                    sent_x[(d + 1) % p] = (op.mb, g + 1)
+                assert (tt.r_put[t, d] >= 0) == kept
+                if kept:
+                    rbuf[d][tt.r_put[t, d]] = (op.mb, g)
+                assert (tt.y_put[t, d] >= 0) == (split and last)
+                if split and last:
+                    xbuf[d][tt.y_put[t, d]] = ("y", op.mb)
+                continue
+            if kept:
+                assert rbuf[d][tt.r_slot[t, d]] == (op.mb, g)
+            if op.kind == "W":
+                assert code == W
+                assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
+                continue
+            if split:
+                assert code == (BX_FIRST if g == 0 else BX_LAST if last else BX_MID)
+            else:
+                assert code == (B_FIRST if g == 0 else B_LAST if last else B_MID)
+            if g > 0:
+                if split and last:
+                    assert xbuf[d][tt.x_slot[t, d]] == ("y", op.mb)
+                elif recompute or last:
+                    assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
+                sent_g[(d - 1) % p] = (op.mb, g - 1)
+            if not last:
+                assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
+            assert (tt.g_put[t, d] >= 0) == (split and last)
+            if split and last:
+                gbuf[d][tt.g_put[t, d]] = (op.mb, g)
+        for d in range(p):
+            assert (tt.recv_x[t, d] >= 0) == (d in sent_x)
+            assert (tt.recv_g[t, d] >= 0) == (d in sent_g)
+            if d in sent_x:
+                xbuf[d][tt.recv_x[t, d]] = sent_x[d]
+            if d in sent_g:
+                gbuf[d][tt.recv_g[t, d]] = sent_g[d]
+
+
+def test_zb_h1_bubble_a_third_of_1f1b_at_the_same_memory():
+    """In units of one op (F, B and W one tick each; a 1f1b backward is B + W): a zb_h1 device
+    idles p - 1 ticks per step, a 1f1b one 3 (p - 1); both hold at most p microbatches."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            zb = build_timetable("zb_h1", p, m)
+            idle = [sum(row[d] is None for row in zb.grid) for d in range(p)]
+            assert idle == [p - 1] * p and zb.ticks == 3 * m + p - 1
+            one = build_timetable("1f1b", p, m)
+            # bubble / work: 1f1b's (p-1)/m (its p-1 idle F slots and p-1 idle B slots are
+            # 3 (p - 1) units), zb_h1's exactly a third of it
+            ratio = lambda tt: tt.idle_fraction() / (1 - tt.idle_fraction())
+            assert ratio(one) == pytest.approx((p - 1) / m)
+            assert ratio(zb) == pytest.approx(ratio(one) / 3)
+            assert max(zb.in_flight()) == max(one.in_flight()) == p
+            assert zb.n_r_slots <= p
 
 
 def test_render_and_plot(tmp_path):
@@ -92,6 +146,9 @@ def test_render_and_plot(tmp_path):
     (("gpipe", 4, 4, 1, 6), "model.n_layers=6 does not split evenly into mesh.pipeline=4"),
     (("interleaved_1f1b", 2, 4, 2, 6), r"pipeline.virtual_stages=2 = 4 stages"),
     (("zero_bubble", 2, 4), "is not one of"),
+    (("zb_h1", 4, 2), "at least as many microbatches as stages"),
+    (("zb_h1", 4, 4, 2), "virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
+    (("zb_h1", 4, 4, 1, None, True), "needs pipeline.recompute=false"),
 ])
 def test_clear_errors(args, match):
     if match is None:
@@ -131,9 +188,13 @@ def test_lockstep_time():
     """GPipe's ticks are all-forward or all-backward; 1f1b mixes them, so in lockstep its ticks
     cost a backward: (m+p-1) x (1 + 3) vs ~2 (m+p-1) x 3 minus the edges."""
     p, m = 4, 8
-    gp = build_timetable("gpipe", p, m)
+    gp = build_timetable("gpipe", p, m, recompute=True)
     assert gp.lockstep_time() == pytest.approx((m + p - 1) * 1 + (m + p - 1) * 3 - 1)  # last F folded
-    one = build_timetable("1f1b", p, m)
+    one = build_timetable("1f1b", p, m, recompute=True)
     assert one.lockstep_time() > gp.lockstep_time()
-    inter = build_timetable("interleaved_1f1b", p, m, 2)
+    inter = build_timetable("interleaved_1f1b", p, m, 2, recompute=True)
     assert inter.lockstep_time() < one.lockstep_time()
+    # without recompute a backward costs 2, the last stage's 3 (its forward folded in): the m
+    # backward ticks with the last stage busy cost 3, the p - 1 after them 2
+    stash = build_timetable("gpipe", p, m)
+    assert stash.lockstep_time() == pytest.approx((m + p - 1) * 1 - 1 + m * 3 + (p - 1) * 2)
