@@ -85,3 +85,25 @@ def test_no_recompute_grads_match_one_device(overrides, reference, devices):
 @pytest.fixture(scope="module")
 def reference(devices):
     return loss_and_grads(["model.n_layers=4", "mesh.data=1"], devices[:1])
+
+
+def test_ppermutes_send_only_real_values(devices):
+    """The compiled step's collective-permutes are the timetable's send patterns, one each: no
+    pair on a tick whose source has nothing to send (1f1b p=4 m=4: 5 forward and 5 backward
+    patterns from the fill and the drain; the old runner's two full ppermutes per tick sent
+    zeros on the idle ones)."""
+    import re
+
+    from jaxpar.parallel.pipeline.runner import send_patterns
+    from jaxpar.train.trainer import Trainer
+    from tests.conftest import tiny_config
+    from tests.pipeline_util import PIPELINE_TINY
+    trainer = Trainer(tiny_config(*PIPELINE_TINY, *P4), devices=devices[:4], log=lambda s: None)
+    hlo = trainer.compile().as_text()
+    found = [tuple(tuple(map(int, pair.split(","))) for pair in re.findall(r"\{(\d+,\d+)\}", pairs))
+             for pairs in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)]
+    tt = build_timetable("1f1b", 4, 4)
+    fwd, _ = send_patterns(tt.recv_x, [(0, 1), (1, 2), (2, 3)])
+    bwd, _ = send_patterns(tt.recv_g, [(1, 0), (2, 1), (3, 2)])
+    assert sorted(found) == sorted(fwd + bwd)
+    assert len(fwd) == len(bwd) == 5

@@ -14,9 +14,12 @@ One `lax.scan` over the ticks; each tick
      decides what they are) and its backward applies them; with recompute=true a backward
      recomputes its stage's forward from the stashed stage input (remat at the stage boundary).
      The last stage's forward is folded into its backward, which also yields the loss;
-  3. sends the forward output to the next stage and the input cotangent to the previous one
-     (two ppermutes, every tick), and files what arrives into ring buffers at the slots the
-     timetable allocated (so a stage keeps only as many inputs as the schedule has in flight).
+  3. sends the forward output to the next stage and the input cotangent to the previous one,
+     each a ppermute over only the (source, destination) pairs that have something to send on
+     this tick (one static pattern per tick, picked by a lax.switch all devices agree on; a
+     tick nobody sends on runs no ppermute), and files what arrives into ring buffers at the
+     slots the timetable allocated (so a stage keeps only as many inputs as the schedule has
+     in flight).
 Gradients accumulate per device: layer grads stay local to their stage, top-param grads are
 summed over `pipeline` by the step's final reduction (only the first and last stage add to them).
 What passes between stages is the model's scan carry, any pytree (the MoE model carries its
@@ -92,6 +95,20 @@ def from_interleaved(x: jax.Array, p: int, v: int) -> jax.Array:
     return jnp.stack(out)
 
 
+def send_patterns(recv: np.ndarray, perm: list[tuple[int, int]]):
+    """(patterns, index per tick): the distinct sets of `perm`'s pairs whose destination receives
+    something on a tick (recv [tick, device] >= 0), numbered from 1; 0 is a tick without sends."""
+    patterns: list[tuple] = []
+    index = np.zeros(recv.shape[0], np.int32)
+    for t, row in enumerate(recv):
+        pairs = tuple((a, b) for a, b in perm if row[b] >= 0)
+        if pairs:
+            if pairs not in patterns:
+                patterns.append(pairs)
+            index[t] = patterns.index(pairs) + 1
+    return patterns, index
+
+
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
                         scatter: Callable, grad_specs: Any, stacked: set[tuple],
                         manual: tuple[str, ...] = ()) -> Callable:
@@ -118,6 +135,12 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         fwd_perm = [(d, (d + 1) % p) for d in range(p)]
         bwd_perm = [((d + 1) % p, d) for d in range(p)]
     flat_specs = flatten(grad_specs)
+    # Per tick, the pairs that send: a pattern index per direction (0: nobody), the same column
+    # on every device so that the switch around the ppermute is uniform.
+    fwd_pats, fwd_idx = send_patterns(tt.recv_x, fwd_perm)
+    bwd_pats, bwd_idx = send_patterns(tt.recv_g, bwd_perm)
+    tables = np.concatenate([tables, np.broadcast_to(np.stack([fwd_idx, bwd_idx], -1)[:, None],
+                                                     (tt.ticks, p, 2))], -1)
 
     def run(params, mbs, loss_fn):
         flat = flatten(params)
@@ -266,16 +289,22 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         fns = [branches[c] for c in used]
         d = jax.lax.axis_index(AXIS)
 
+        def send(tree, patterns, idx):
+            nothing = lambda t: zeros_x
+            moves = [lambda t, pairs=pairs: jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, pairs), t)
+                     for pairs in patterns]
+            return jax.lax.switch(idx, [nothing, *moves], tree)
+
         def tick(carry, row):
             at, al, loss, xbuf, gbuf, rbuf = carry
             r = row[d]
-            code, i, k, xs, gs, rx, rg, rs, rp, yp, gp = (r[j] for j in range(11))
+            code, i, k, xs, gs, rx, rg, rs, rp, yp, gp, fi, bi = (r[j] for j in range(13))
             tok = jax.lax.dynamic_index_in_dim(mbs, i, keepdims=False)
             x_in, g_in, r_in = tree_at(xbuf, xs), tree_at(gbuf, gs), tree_at(rbuf, rs)
             at, al, loss, y, dx, g_keep, r_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
                                                                 r_in, tok, k)
-            x_recv = jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, fwd_perm), y)
-            g_recv = jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, bwd_perm), dx)
+            x_recv = send(y, fwd_pats, fi)
+            g_recv = send(dx, bwd_pats, bi)
             # Slot n (one past the last) takes what arrives for nobody.
             put = lambda buf, new, i: jax.tree.map(
                 lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, i, 0), buf, new)

@@ -10,8 +10,13 @@ sent at the end of tick t (by ppermute) can be used from tick t + 1.
 Each device runs its ops in a fixed order (the schedule); an op waits (idle ticks) until its
 inputs exist. Orders:
   gpipe            all forwards, then all backwards;
-  1f1b             p-1-d warm-up forwards, then one forward one backward, then cool-down
-                   backwards: at most p-d microbatches in flight on device d;
+  1f1b             ticks of two rows, a forward row and a backward row (ALTERNATE), so that every
+                   device runs one forward and one backward per tick in the steady state and no
+                   tick mixes a forward on one device with a backward on another (lockstep time
+                   = gpipe's): 2(p-1-d)+1 warm-up forwards (the round trip of a microbatch from
+                   device d down the pipeline and back), then one backward one forward, then
+                   the cool-down backwards: at most 2(p-1-d)+1 microbatches in flight on
+                   device d (2p-1 on device 0, flat in m; gpipe: m);
   interleaved_1f1b Megatron's interleaved order (microbatches in groups of p, chunk by chunk),
                    warm-up (p-d-1)*2 + (v-1)*p forwards;
   zb_h1            zero bubble H1 (Qi et al. 2023): the backward split into B (input gradient,
@@ -19,7 +24,8 @@ inputs exist. Orders:
                    waits for); p-d warm-up forwards, then B, W, F with device d holding back
                    its first d W's, which fill the cool-down. At most p microbatches between F
                    and W on every device (1f1b's peak, device 0's p).
-Idle fraction read off the table: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) for the
+Idle fraction read off the table: (p-1)/(m+p-1) for gpipe, 2(p-1)/(m+2(p-1)) for 1f1b (rows,
+not ticks: its forward rows idle the backward half and vice versa), (p-1)/(v*m+p-1) for the
 interleaved one, i.e. a bubble/compute ratio of (p-1)/m divided by v; zb_h1's ticks are a third
 of a 1f1b op (F, B, W one tick each): (p-1)/(3m+p-1), a bubble of p-1 ticks against 1f1b's
 3(p-1) in the same units.
@@ -35,6 +41,7 @@ from jaxpar.config import ConfigError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 SPLIT = ("zb_h1",)  # schedules whose backward is split into B (input grad) and W (weight grad)
+ALTERNATE = ("1f1b",)  # schedules whose rows alternate: forwards only, then backwards only
 
 # Op codes of the runner's branches: what a tick does on a device. The split schedules use
 # F_LAST (the last stage's forward, kept), BX_* (input gradient only) and W (weight gradient).
@@ -89,10 +96,10 @@ def device_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
         if schedule == "gpipe":
             ops = [Op("F", i, 0) for i in range(m)] + [Op("B", i, 0) for i in range(m)]
         elif schedule == "1f1b":
-            w = min(p - 1 - d, m)
+            w = min(2 * (p - 1 - d) + 1, m)
             ops = [Op("F", i, 0) for i in range(w)]
             for i in range(m - w):
-                ops += [Op("F", w + i, 0), Op("B", i, 0)]
+                ops += [Op("B", i, 0), Op("F", w + i, 0)]
             ops += [Op("B", i, 0) for i in range(m - w, m)]
         elif schedule == "interleaved_1f1b":
             fwd = [Op("F", g * p + j, k) for g in range(m // p) for k in range(v) for j in range(p)]
@@ -210,13 +217,15 @@ def idle_formula(schedule: str, p: int, m: int, v: int = 1) -> float:
         return float(Fraction(p - 1, v * m + p - 1))
     if schedule in SPLIT:
         return float(Fraction(p - 1, 3 * m + p - 1))
+    if schedule in ALTERNATE:
+        return float(Fraction(2 * (p - 1), m + 2 * (p - 1)))
     return float(Fraction(p - 1, m + p - 1))
 
 
-def simulate(orders: list[list[Op]], p: int, v: int) -> list[list[Op | None]]:
+def simulate(orders: list[list[Op]], p: int, v: int, alternate: bool = False) -> list[list[Op | None]]:
     """Run each device's order in lockstep ticks; an op runs once its inputs were sent on an
     earlier tick (forward: the previous stage's forward; backward: the next stage's backward and
-    its own forward)."""
+    its own forward). `alternate`: even rows run forwards only, odd rows backwards only."""
     G = p * v
     done: dict[tuple[str, int, int], int] = {}  # (kind, mb, global stage) -> tick
     pos = [0] * p
@@ -229,6 +238,8 @@ def simulate(orders: list[list[Op]], p: int, v: int) -> list[list[Op | None]]:
             if pos[d] == len(orders[d]):
                 continue
             op = orders[d][pos[d]]
+            if alternate and (op.kind == "F") != (t % 2 == 0):
+                continue
             g = op.chunk * p + d
             if op.kind == "F":
                 deps = [("F", op.mb, g - 1)] if g > 0 else []
@@ -275,7 +286,7 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool =
     (g_put) for W."""
     check_schedule(schedule, p, m, v, recompute=recompute)
     split = schedule in SPLIT
-    grid = simulate(device_orders(schedule, p, m, v), p, v)
+    grid = simulate(device_orders(schedule, p, m, v), p, v, schedule in ALTERNATE)
     G, T = p * v, len(grid)
     at: dict[tuple[str, int, int], int] = {}
     for t, row in enumerate(grid):
