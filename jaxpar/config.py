@@ -394,9 +394,13 @@ class PipelineConfig(Strict):
     each data-parallel slice of the batch is cut into; it replaces gradient accumulation (set one
     of the two, or both to the same value)."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"] = "1f1b"
     virtual_stages: int = Field(1, gt=0, description="chunks per device (interleaved_1f1b)")
     microbatches: int | None = Field(None, gt=0, description="null: train.grad_accum")
+    # false: a forward tick keeps its stage's vjp residuals for the backward (no second forward;
+    # memory: the residuals of the microbatches in flight, at most p per stage with 1f1b);
+    # true: keep only the stage input and recompute the stage's forward in the backward.
+    recompute: bool = False
 
     def resolved_microbatches(self, grad_accum: int) -> int:
         if self.microbatches is None:

@@ -29,3 +29,38 @@ def loss_and_grads(overrides, devices, seed=0):
 def temp_bytes(overrides, devices) -> int:
     trainer = Trainer(tiny_config(*PIPELINE_TINY, *overrides), devices=devices, log=lambda s: None)
     return trainer.compile().memory_analysis().temp_size_in_bytes
+
+
+def step_flops(overrides, devices) -> float:
+    trainer = Trainer(tiny_config(*PIPELINE_TINY, *overrides), devices=devices, log=lambda s: None)
+    cost = trainer.compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+def branch_flops(overrides, devices, codes) -> dict[int, float]:
+    """XLA's FLOPs of one tick of each runner branch in `codes`, over an idle tick's (what the
+    step does besides). XLA counts a loop body once and a conditional as its costliest branch,
+    so the whole step's count says nothing per branch: each is compiled alone, as a one-tick
+    timetable in which every device runs it."""
+    import dataclasses
+    from unittest import mock
+
+    import jaxpar.parallel.pipeline as pipeline
+    from jaxpar.parallel.pipeline.schedule import IDLE
+
+    real = pipeline.build_timetable
+
+    def one_tick(code):
+        def build(*args):
+            tt = real(*args)
+            row = lambda fill: np.full((1, tt.p), fill, np.int32)
+            return dataclasses.replace(tt, grid=[[None] * tt.p], code=row(code), mb=row(0), chunk=row(0),
+                                       x_slot=row(0), g_slot=row(0), r_slot=row(0), recv_x=row(-1),
+                                       recv_g=row(-1), r_put=row(-1), y_put=row(-1), g_put=row(-1))
+        return build
+
+    out = {}
+    for code in sorted({IDLE, *codes}):
+        with mock.patch.object(pipeline, "build_timetable", one_tick(code)):
+            out[code] = step_flops(overrides, devices)
+    return {c: f - out[IDLE] for c, f in out.items() if c != IDLE}

@@ -2,9 +2,9 @@
 import pytest
 
 from jaxpar.config import ConfigError
-from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, F_FIRST, F_MID, IDLE,
-                                               SCHEDULES, build_timetable, check_schedule,
-                                               idle_formula)
+from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, BX_FIRST, BX_LAST, BX_MID,
+                                               F_FIRST, F_LAST, F_MID, IDLE, SCHEDULES, SPLIT, W,
+                                               build_timetable, check_schedule, idle_formula)
 
 CASES = [(s, p, m, v) for s in SCHEDULES for p in (2, 4) for m in (p, 2 * p, 4 * p)
          for v in ((2, 3) if s == "interleaved_1f1b" else (1,))]
@@ -16,12 +16,14 @@ def test_idle_fraction_equals_formula(schedule, p, m, v):
     assert tt.idle_fraction() == pytest.approx(idle_formula(schedule, p, m, v), abs=1e-12)
     # Every microbatch runs forward and backward once per global stage.
     ops = sorted((op.kind, op.mb, op.chunk * p + d) for row in tt.grid for d, op in enumerate(row) if op)
-    assert ops == sorted((k, i, g) for k in "BF" for i in range(m) for g in range(p * v))
+    kinds = "BFW" if schedule in SPLIT else "BF"
+    assert ops == sorted((k, i, g) for k in kinds for i in range(m) for g in range(p * v))
 
 
 def test_formulas():
+    assert idle_formula("zb_h1", 4, 8) == pytest.approx(3 / 27)
     assert idle_formula("gpipe", 4, 8) == pytest.approx(3 / 11)
-    assert idle_formula("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert idle_formula("1f1b", 4, 8) == pytest.approx(6 / 14)  # rows: half of each tick idles
     # bubble / compute = (p-1)/m for 1f1b, divided by v interleaved
     f = idle_formula("interleaved_1f1b", 4, 8, 2)
     assert f / (1 - f) == pytest.approx((3 / 8) / 2)
@@ -29,56 +31,126 @@ def test_formulas():
 
 @pytest.mark.parametrize("m", [4, 8, 16])
 def test_1f1b_stash_bounded_by_stages_gpipe_by_microbatches(m):
+    """1f1b holds a microbatch for its round trip, 2(p-1-d)+1 rows pairs on device d, whatever m."""
     p = 4
-    one = build_timetable("1f1b", p, m)
-    assert one.in_flight() == [p - d for d in range(p)]
-    assert one.n_x_slots <= p
-    gp = build_timetable("gpipe", p, m)
+    one = build_timetable("1f1b", p, m, recompute=True)
+    assert one.in_flight() == [min(2 * (p - 1 - d) + 1, m) for d in range(p)]
+    assert one.n_x_slots <= 2 * p - 1
+    # without recompute: at most p sets of residuals (device 0); inputs wait only for their
+    # forward (the last stage: for its backward, one tick later)
+    stash = build_timetable("1f1b", p, m)
+    assert stash.n_r_slots == min(2 * p - 1, m) and stash.n_x_slots <= 2
+    gp = build_timetable("gpipe", p, m, recompute=True)
     assert max(gp.in_flight()) == m and gp.n_x_slots == m
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("schedule,p,m,v", CASES)
-def test_codes_and_slots_consistent(schedule, p, m, v):
-    """Replay the table like the runner does: each read finds the value written for it."""
-    if True:
-        tt = build_timetable(schedule, p, m, v)
-        G = p * v
-        xbuf = [dict() for _ in range(p)]
-        gbuf = [dict() for _ in range(p)]
-        for t, row in enumerate(tt.grid):
-            sent_x, sent_g = {}, {}
-            for d, op in enumerate(row):
-                code = tt.code[t, d]
-                if op is None:
-                    assert code == IDLE
-                    continue
-                g = op.chunk * p + d
-                if op.kind == "F":
-                    assert code == (F_FIRST if g == 0 else IDLE if g == G - 1 else F_MID)
-                    if g > 0:
-                        assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
-                    if g < G - 1:
-                        sent_x[(d + 1) % p] = (op.mb, g + 1)
-                else:
-                    assert code == (B_FIRST if g == 0 else B_LAST if g == G - 1 else B_MID)
-                    if g > 0:
-                        assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
-                        sent_g[(d - 1) % p] = (op.mb, g - 1)
-                    if g < G - 1:
-                        assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
-            for d in range(p):
-                assert (tt.recv_x[t, d] >= 0) == (d in sent_x)
-                assert (tt.recv_g[t, d] >= 0) == (d in sent_g)
-                if d in sent_x:
-                    xbuf[d][tt.recv_x[t, d]] = sent_x[d]
-                if d in sent_g:
-                    gbuf[d][tt.recv_g[t, d]] = sent_g[d]
+def test_codes_and_slots_consistent(schedule, p, m, v, recompute):
+    """Replay the table like the runner does: each read finds the value written for it (without
+    recompute a backward reads its forward's residuals instead of the stage input; split, the
+    last stage keeps its output for Bx and its loss cotangent for W)."""
+    split = schedule in SPLIT
+    if split and recompute:
+        with pytest.raises(ConfigError, match="pipeline.recompute=false"):
+            build_timetable(schedule, p, m, v, recompute=True)
+        return
+    tt = build_timetable(schedule, p, m, v, recompute=recompute)
+    G = p * v
+    xbuf, gbuf, rbuf = ([dict() for _ in range(p)] for _ in range(3))
+    assert (tt.n_r_slots == 0) == recompute
+    for t, row in enumerate(tt.grid):
+        sent_x, sent_g = {}, {}
+        for d, op in enumerate(row):
+            code = tt.code[t, d]
+            if op is None:
+                assert code == IDLE
+                continue
+            g = op.chunk * p + d
+            last = g == G - 1
+            kept = not recompute and (not last or split)
+            if op.kind == "F":
+                assert code == (F_FIRST if g == 0 else (F_LAST if split else IDLE) if last else F_MID)
+                if g > 0:
+                    assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
+                if not last:
+                    sent_x[(d + 1) % p] = (op.mb, g + 1)
+                assert (tt.r_put[t, d] >= 0) == kept
+                if kept:
+                    rbuf[d][tt.r_put[t, d]] = (op.mb, g)
+                assert (tt.y_put[t, d] >= 0) == (split and last)
+                if split and last:
+                    xbuf[d][tt.y_put[t, d]] = ("y", op.mb)
+                continue
+            if kept:
+                assert rbuf[d][tt.r_slot[t, d]] == (op.mb, g)
+            if op.kind == "W":
+                assert code == W
+                assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
+                continue
+            if split:
+                assert code == (BX_FIRST if g == 0 else BX_LAST if last else BX_MID)
+            else:
+                assert code == (B_FIRST if g == 0 else B_LAST if last else B_MID)
+            if g > 0:
+                if split and last:
+                    assert xbuf[d][tt.x_slot[t, d]] == ("y", op.mb)
+                elif recompute or last:
+                    assert xbuf[d][tt.x_slot[t, d]] == (op.mb, g)
+                sent_g[(d - 1) % p] = (op.mb, g - 1)
+            if not last:
+                assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
+            assert (tt.g_put[t, d] >= 0) == (split and last)
+            if split and last:
+                gbuf[d][tt.g_put[t, d]] = (op.mb, g)
+        for d in range(p):
+            assert (tt.recv_x[t, d] >= 0) == (d in sent_x)
+            assert (tt.recv_g[t, d] >= 0) == (d in sent_g)
+            if d in sent_x:
+                xbuf[d][tt.recv_x[t, d]] = sent_x[d]
+            if d in sent_g:
+                gbuf[d][tt.recv_g[t, d]] = sent_g[d]
+
+
+def test_zb_h1_bubble_a_third_of_1f1b_at_the_same_memory():
+    """In units of one op (F, B and W one tick each; a 1F1B backward is B + W): a zb_h1 device
+    idles p - 1 ticks per step, one third of the standard 1F1B's 3 (p - 1) (bubble / work
+    (p-1)/m), with 1F1B's peak of p microbatches in flight, on every device. (This repo's 1f1b
+    alternates forward and backward rows for its lockstep time and holds 2p - 1: test_lockstep_time.)"""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            zb = build_timetable("zb_h1", p, m)
+            idle = [sum(row[d] is None for row in zb.grid) for d in range(p)]
+            assert idle == [p - 1] * p and zb.ticks == 3 * m + p - 1
+            f = zb.idle_fraction()
+            assert f / (1 - f) == pytest.approx((p - 1) / m / 3)
+            assert zb.in_flight() == [p] * p and zb.n_r_slots <= p
+            assert max(build_timetable("1f1b", p, m).in_flight()) == min(2 * p - 1, m)
+
+
+@pytest.mark.parametrize("schedule,p,m,v", CASES)
+def test_sends_only_what_is_received(schedule, p, m, v):
+    """Each tick's ppermute pairs are exactly the stages that pass a value on: m (G - 1) sends per
+    direction per step, none of zeros (two full ppermutes every tick used to send p - 1 each)."""
+    from jaxpar.parallel.pipeline.runner import send_patterns
+    tt = build_timetable(schedule, p, m, v)
+    ring = v > 1
+    fwd = [(d, (d + 1) % p) for d in range(p if ring else p - 1)]
+    bwd = [(b, a) for a, b in fwd]
+    G = p * v
+    for recv, perm in ((tt.recv_x, fwd), (tt.recv_g, bwd)):
+        patterns, index = send_patterns(recv, perm)
+        sent = [pair for i in index if i for pair in patterns[i - 1]]
+        assert len(sent) == m * (G - 1)
+        for t, i in enumerate(index):
+            got = {b for _, b in patterns[i - 1]} if i else set()
+            assert got == {d for d in range(p) if recv[t, d] >= 0}
 
 
 def test_render_and_plot(tmp_path):
     tt = build_timetable("1f1b", 2, 4)
     text = tt.render()
-    assert "dev0 F0" in text and "idle 0.200 (formula 0.200)" in text
+    assert "dev0 F0" in text and "idle 0.333 (formula 0.333)" in text
     from jaxpar.parallel.pipeline.schedule import plot_timetable
     out = plot_timetable(tt, str(tmp_path / "tt.png"))
     assert (tmp_path / "tt.png").stat().st_size > 1000 and out.endswith("tt.png")
@@ -92,6 +164,9 @@ def test_render_and_plot(tmp_path):
     (("gpipe", 4, 4, 1, 6), "model.n_layers=6 does not split evenly into mesh.pipeline=4"),
     (("interleaved_1f1b", 2, 4, 2, 6), r"pipeline.virtual_stages=2 = 4 stages"),
     (("zero_bubble", 2, 4), "is not one of"),
+    (("zb_h1", 4, 2), "at least as many microbatches as stages"),
+    (("zb_h1", 4, 4, 2), "virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
+    (("zb_h1", 4, 4, 1, None, True), "needs pipeline.recompute=false"),
 ])
 def test_clear_errors(args, match):
     if match is None:
@@ -121,19 +196,30 @@ def test_bench_pipeline_timetable_columns(tmp_path):
     for r in res["rows"]:
         assert r["idle"] == pytest.approx(r["formula"])
         if r["schedule"] == "1f1b":
-            assert r["stash"] == r["p"]
+            assert r["stash"] == min(2 * r["p"] - 1, r["m"])
     assert (tmp_path / "tt.png").exists()
     text = format_result({"benchmark": "pipeline", **res})
     assert "interleaved_1f1b" in text and "formula" in text
 
 
-def test_lockstep_time():
-    """GPipe's ticks are all-forward or all-backward; 1f1b mixes them, so in lockstep its ticks
-    cost a backward: (m+p-1) x (1 + 3) vs ~2 (m+p-1) x 3 minus the edges."""
+@pytest.mark.parametrize("recompute", [True, False])
+def test_lockstep_time(recompute):
+    """GPipe's ticks are all-forward or all-backward; 1f1b's rows alternate the two, so neither
+    pays a backward on a tick that another device spends on a forward: 1f1b <= gpipe for every
+    p and m (equal: the same rows of work, in another order); zb_h1 (its ideal split, B and W
+    one forward each) better. (interleaved_1f1b still mixes them: docs/benchmarks.md.)"""
+    for p in (2, 4, 8):
+        for m in range(p, 4 * p + 1):
+            gp = build_timetable("gpipe", p, m, recompute=recompute).lockstep_time()
+            one = build_timetable("1f1b", p, m, recompute=recompute).lockstep_time()
+            assert one <= gp, (p, m)
+            if not recompute:
+                zb = build_timetable("zb_h1", p, m).lockstep_time()
+                assert zb == 3 * m + p - 1 and zb < one
     p, m = 4, 8
-    gp = build_timetable("gpipe", p, m)
+    gp = build_timetable("gpipe", p, m, recompute=True)
     assert gp.lockstep_time() == pytest.approx((m + p - 1) * 1 + (m + p - 1) * 3 - 1)  # last F folded
-    one = build_timetable("1f1b", p, m)
-    assert one.lockstep_time() > gp.lockstep_time()
-    inter = build_timetable("interleaved_1f1b", p, m, 2)
-    assert inter.lockstep_time() < one.lockstep_time()
+    # without recompute a backward costs 2, the last stage's 3 (its forward folded in): the m
+    # backward ticks with the last stage busy cost 3, the p - 1 after them 2
+    stash = build_timetable("gpipe", p, m)
+    assert stash.lockstep_time() == pytest.approx((m + p - 1) * 1 - 1 + m * 3 + (p - 1) * 2)

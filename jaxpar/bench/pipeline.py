@@ -1,14 +1,16 @@
 """`jaxpar bench pipeline [--plot FILE.png]`: pipeline schedules read off their timetables, and
 the per-device temporary memory of the compiled step.
 
-For each schedule (gpipe, 1f1b, interleaved_1f1b with v = 2) and each (p, m, v):
-  - idle: the idle fraction of the timetable the runner executes (idle slots / ticks x devices),
-    beside the formula (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) interleaved (its
-    bubble/compute ratio (p-1)/(v*m) is 1f1b's divided by v);
+For each schedule (gpipe, 1f1b, interleaved_1f1b with v = 2, zb_h1) and each (p, m, v):
+  - idle: the idle fraction of the timetable the runner executes (idle slots / rows x devices),
+    beside the formula (schedule.idle_formula; 1f1b's rows alternate forwards and backwards,
+    zb_h1's are a third of an F + B + W);
   - stash: the peak number of microbatch(-chunk)s a device holds between a forward and its
-    backward (device 0, the most), and the stage-input buffer slots the runner allocates;
-  - lockstep t: the runner's wall time by Timetable.lockstep_time (forward 1, backward 2, +1
-    for the recompute; a tick lasts as long as its slowest device), beside the work m x 3;
+    backward (zb_h1: its W; device 0, the most), and the residual slots the runner allocates
+    (pipeline.recompute=false; with recompute: the stage-input slots);
+  - lockstep t: the runner's wall time by Timetable.lockstep_time (forward 1, backward 2, each
+    half of a split backward 1; a tick lasts as long as its slowest device), without and with
+    pipeline.recompute (+1 per backward), beside the work m x 3;
   - temp: `compiled.memory_analysis().temp_size_in_bytes` of the whole train step, for
     p = mesh.pipeline only (one compile each), with the microbatch size held fixed
     (global_batch = data-parallel size x m x microbatch) so that only m changes.
@@ -26,7 +28,7 @@ import jax
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
 from jaxpar.config import Config
 from jaxpar.mesh import resolve_sizes
-from jaxpar.parallel.pipeline.schedule import SCHEDULES, build_timetable, plot_timetable
+from jaxpar.parallel.pipeline.schedule import SCHEDULES, SPLIT, build_timetable, plot_timetable
 from jaxpar.train.trainer import Trainer
 
 # 4 pipeline stages x 2-way data on 8 devices; 8 layers so that interleaving (v = 2) divides.
@@ -44,10 +46,20 @@ def _variants(n_layers: int, p: int):
 
 def timetable_row(schedule: str, p: int, m: int, v: int) -> dict:
     tt = build_timetable(schedule, p, m, v)
+    again = None if schedule in SPLIT else build_timetable(schedule, p, m, v, recompute=True)
     return {"schedule": schedule, "p": p, "m": m, "v": v, "ticks": tt.ticks,
             "idle": tt.idle_fraction(), "formula": tt.formula(), "stash": max(tt.in_flight()),
-            "stash_per_device": tt.in_flight(), "buffer_slots": tt.n_x_slots,
-            "lockstep_time": tt.lockstep_time(), "work": m * 3.0}
+            "stash_per_device": tt.in_flight(), "buffer_slots": tt.n_r_slots,
+            "lockstep_time": tt.lockstep_time(),
+            "lockstep_time_recompute": None if again is None else again.lockstep_time(),
+            "work": m * 3.0}
+
+
+def lockstep_table(ps=(4, 8)) -> list[dict]:
+    """The timetable columns of every schedule for each p in `ps` and m = p, 2p, 3p, 4p (no model:
+    what docs/benchmarks.md records)."""
+    return [timetable_row(s, p, m, 2 if s == "interleaved_1f1b" else 1)
+            for p in ps for s in SCHEDULES for m in (p, 2 * p, 3 * p, 4 * p)]
 
 
 def temp_memory(cfg: Config, schedule: str, m: int, v: int) -> dict:
@@ -86,15 +98,17 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, plot: str | No
 
 
 def format_result(res: dict) -> str:
-    headers = ["schedule", "p", "m", "v", "ticks", "idle", "formula", "stash/dev", "slots", "lockstep t",
-               "temp/device"]
+    headers = ["schedule", "p", "m", "v", "rows", "idle", "formula", "stash/dev", "slots", "lockstep t",
+               "recompute", "temp/device"]
+    again = lambda r: "-" if r["lockstep_time_recompute"] is None else f"{r['lockstep_time_recompute']:.1f}"
     rows = [[r["schedule"], r["p"], r["m"], r["v"], r["ticks"], f"{r['idle']:.3f}", f"{r['formula']:.3f}",
-             r["stash"], r["buffer_slots"], f"{r['lockstep_time']:.1f}/{r['work']:.0f}",
+             r["stash"], r["buffer_slots"], f"{r['lockstep_time']:.1f}/{r['work']:.0f}", again(r),
              fmt_bytes(r.get("temp_bytes"))] for r in res["rows"]]
     lines = [f"pipeline schedules (temp/device: compiled step at mesh.pipeline={res['mesh_pipeline']}, "
              f"microbatch of {res['microbatch']} sequences per data-parallel slice)", table(headers, rows)]
-    lines.append("lockstep t: the runner's wall time in device-forwards (forward 1, backward 2, plus 1 to "
-                 "recompute; each tick lasts as long as its slowest device) / the work without recompute")
+    lines.append("lockstep t: the runner's wall time in device-forwards (forward 1, backward 2, a split "
+                 "backward's halves 1 each; each row lasts as long as its slowest device) / the work; "
+                 "recompute: the same with pipeline.recompute=true (+1 per backward)")
     if res.get("plot"):
         lines.append(f"timetable drawn in {res['plot']}")
     return "\n".join(lines)

@@ -1,11 +1,13 @@
 """Pipeline parallelism over the `pipeline` mesh axis.
 
-schedule.py  timetables (gpipe, 1f1b, interleaved_1f1b): what each device does at each tick;
-             the runner executes them, `jaxpar bench pipeline` prints and draws them.
-runner.py    the pipelined forward + backward inside the train step's shard_map.
+schedule.py   timetables (gpipe, 1f1b, interleaved_1f1b, zb_h1): what each device does at each
+              tick; the runner executes them, `jaxpar bench pipeline` prints and draws them.
+runner.py     the pipelined forward + backward inside the train step's shard_map.
+residuals.py  a stage's vjp as stashable arrays (pipeline.recompute=false).
 
 Config: `pipeline.schedule`, `pipeline.virtual_stages`, `pipeline.microbatches` (null: the
-microbatch count is train.grad_accum); `mesh.pipeline` is the number of devices (stages).
+microbatch count is train.grad_accum), `pipeline.recompute`; `mesh.pipeline` is the number of
+devices (stages).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
     p = plan.mesh.shape["pipeline"]
     pc, t = cfg.pipeline, cfg.train
     m = pc.resolved_microbatches(t.grad_accum)
-    check_schedule(pc.schedule, p, m, pc.virtual_stages, cfg.model.n_layers if check_model else None)
+    check_schedule(pc.schedule, p, m, pc.virtual_stages, cfg.model.n_layers if check_model else None,
+                   pc.recompute)
     if cfg.sharding.sequence_parallel:
         raise ConfigError(
             "sharding.sequence_parallel does not compose with mesh.pipeline > 1 yet (the compiler's "
@@ -67,8 +70,8 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
     n_layers = {flatten(model.shapes)[k].shape[0] for k in stacked}
     if len(n_layers) != 1:
         raise ValueError(f"stacked params disagree on the layer count: {sorted(n_layers)}")
-    check_schedule(cfg.schedule, p, m, cfg.virtual_stages, n_layers.pop())
-    tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages)
+    check_schedule(cfg.schedule, p, m, cfg.virtual_stages, n_layers.pop(), cfg.recompute)
+    tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages, cfg.recompute)
     manual = frozenset(plan.batch_axes) | {"pipeline"}
     busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
     return PipelineAccumulation(make_pipeline_grads(model, tt, ctx, prepare_top, scatter, grad_specs, stacked,

@@ -9,13 +9,17 @@ One `lax.scan` over the ticks; each tick
   1. looks up its row of the timetable with axis_index('pipeline'),
   2. runs one branch of `lax.switch` (an HLO conditional: each device runs only its own):
      forward of the first stage (embedding + layers) or of a middle stage (layers), or the
-     backward of the first / a middle / the last stage. A backward recomputes its stage's
-     forward from the stashed stage input under jax.vjp (remat at the stage boundary; the
-     stage's own train.remat policy still applies inside). The last stage's forward is folded
-     into its backward, which also yields the loss;
-  3. sends the forward output to the next stage and the input cotangent to the previous one
-     (two ppermutes, every tick), and files what arrives into ring buffers at the slots the
-     timetable allocated (so a stage keeps only as many inputs as the schedule has in flight).
+     backward of the first / a middle / the last stage. With pipeline.recompute=false a forward
+     runs under jax.vjp and stashes the residuals (residuals.py; the stage's train.remat policy
+     decides what they are) and its backward applies them; with recompute=true a backward
+     recomputes its stage's forward from the stashed stage input (remat at the stage boundary).
+     The last stage's forward is folded into its backward, which also yields the loss;
+  3. sends the forward output to the next stage and the input cotangent to the previous one,
+     each a ppermute over only the (source, destination) pairs that have something to send on
+     this tick (one static pattern per tick, picked by a lax.switch all devices agree on; a
+     tick nobody sends on runs no ppermute), and files what arrives into ring buffers at the
+     slots the timetable allocated (so a stage keeps only as many inputs as the schedule has
+     in flight).
 Gradients accumulate per device: layer grads stay local to their stage, top-param grads are
 summed over `pipeline` by the step's final reduction (only the first and last stage add to them).
 What passes between stages is the model's scan carry, any pytree (the MoE model carries its
@@ -38,8 +42,9 @@ import numpy as np
 from jaxpar import nn
 from jaxpar.sharding import vary, varying_axes
 from jaxpar.train.model import nest
-from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, F_FIRST, F_MID, IDLE,
-                                               Timetable)
+from jaxpar.parallel.pipeline.residuals import StashPlan
+from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, BX_FIRST, BX_LAST, BX_MID,
+                                               F_FIRST, F_LAST, F_MID, IDLE, W, Timetable)
 
 AXIS = "pipeline"
 
@@ -90,6 +95,20 @@ def from_interleaved(x: jax.Array, p: int, v: int) -> jax.Array:
     return jnp.stack(out)
 
 
+def send_patterns(recv: np.ndarray, perm: list[tuple[int, int]]):
+    """(patterns, index per tick): the distinct sets of `perm`'s pairs whose destination receives
+    something on a tick (recv [tick, device] >= 0), numbered from 1; 0 is a tick without sends."""
+    patterns: list[tuple] = []
+    index = np.zeros(recv.shape[0], np.int32)
+    for t, row in enumerate(recv):
+        pairs = tuple((a, b) for a, b in perm if row[b] >= 0)
+        if pairs:
+            if pairs not in patterns:
+                patterns.append(pairs)
+            index[t] = patterns.index(pairs) + 1
+    return patterns, index
+
+
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
                         scatter: Callable, grad_specs: Any, stacked: set[tuple],
                         manual: tuple[str, ...] = ()) -> Callable:
@@ -105,8 +124,11 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
     """
     tt = timetable
     p, v = tt.p, tt.v
-    tables = np.stack([tt.code, tt.mb, tt.chunk, tt.x_slot, tt.g_slot, tt.recv_x, tt.recv_g], -1)
-    n_x, n_g = max(tt.n_x_slots, 1), max(tt.n_g_slots, 1)
+    tables = np.stack([tt.code, tt.mb, tt.chunk, tt.x_slot, tt.g_slot, tt.recv_x, tt.recv_g,
+                       tt.r_slot, tt.r_put, tt.y_put, tt.g_put], -1)
+    n_x, n_g, n_r = max(tt.n_x_slots, 1), max(tt.n_g_slots, 1), tt.n_r_slots
+    stash = not tt.recompute
+    split = bool((tt.code == W).any())
     if v == 1:
         fwd_perm = [(d, d + 1) for d in range(p - 1)]
         bwd_perm = [(d + 1, d) for d in range(p - 1)]
@@ -114,6 +136,12 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         fwd_perm = [(d, (d + 1) % p) for d in range(p)]
         bwd_perm = [((d + 1) % p, d) for d in range(p)]
     flat_specs = flatten(grad_specs)
+    # Per tick, the pairs that send: a pattern index per direction (0: nobody), the same column
+    # on every device so that the switch around the ppermute is uniform.
+    fwd_pats, fwd_idx = send_patterns(tt.recv_x, fwd_perm)
+    bwd_pats, bwd_idx = send_patterns(tt.recv_g, bwd_perm)
+    tables = np.concatenate([tables, np.broadcast_to(np.stack([fwd_idx, bwd_idx], -1)[:, None],
+                                                     (tt.ticks, p, 2))], -1)
 
     def run(params, mbs, loss_fn):
         flat = flatten(params)
@@ -136,7 +164,9 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             raise _Stop(carry)
 
         def pre(top, lay_k, tok):
-            return call(top, lay_k, tok, stop_at_layers, True)
+            # typed like a received carry (what the model starts its carry with, e.g. the MoE
+            # router sums' zeros, varies over nothing), so that the stage's vjp is one function
+            return jax.tree.map(lambda a: vary(a, manual), call(top, lay_k, tok, stop_at_layers, True))
 
         def body(top, lay_k, x, tok):
             def hook(stack, carry, fn):
@@ -172,36 +202,88 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         tree_at = lambda buf, i: jax.tree.map(
             lambda b: jax.lax.dynamic_index_in_dim(b, i, keepdims=False), buf)
 
-        # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, tok, k) -> (..., y, dx)
-        def idle(at, al, loss, x, g, tok, k):
-            return at, al, loss, zeros_x, zeros_x
+        # recompute=false: a stage's vjp, its residuals stashed but for the params it references
+        plan = StashPlan()
 
-        def f_first(at, al, loss, x, g, tok, k):
+        def stage_vjp(lk, x, tok):
+            y, fn = jax.vjp(lambda lk, xi: body(top, lk, xi, tok), lk, x)
+            return y, [vary(a, manual) for a in plan.split(fn, {"lay": lk, "top": top})]
+
+        r_sds = jax.eval_shape(lambda: stage_vjp(chunk(0), zeros_x, mb_at(0))[1]) if stash else []
+        zeros_r = [vary(jnp.zeros(s.shape, s.dtype), manual) for s in r_sds]
+
+        def stage_grads(r, lk, x, g, tok):
+            """(layer grads, input cotangent) of a stage's backward."""
+            if stash:
+                return plan.join(r, {"lay": lk, "top": top})(g)
+            _, vjp = jax.vjp(lambda lk, xi: body(top, lk, xi, tok), lk, x)
+            return vjp(g)
+
+        # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, r_in, tok, k) -> (..., y, dx, r_out)
+        def idle(at, al, loss, x, g, r, tok, k):
+            return at, al, loss, zeros_x, zeros_x, zeros_x, zeros_r
+
+        def forward(lk, x, tok):
+            if stash:
+                return stage_vjp(lk, x, tok)
+            return body(top, lk, x, tok), zeros_r
+
+        def f_first(at, al, loss, x, g, r, tok, k):
             lk = chunk(k)
-            return at, al, loss, body(top, lk, pre(top, lk, tok), tok), zeros_x
+            y, res = forward(lk, pre(top, lk, tok), tok)
+            return at, al, loss, y, zeros_x, zeros_x, res
 
-        def f_mid(at, al, loss, x, g, tok, k):
-            return at, al, loss, body(top, chunk(k), x, tok), zeros_x
+        def f_mid(at, al, loss, x, g, r, tok, k):
+            y, res = forward(chunk(k), x, tok)
+            return at, al, loss, y, zeros_x, zeros_x, res
 
-        def b_first(at, al, loss, x, g, tok, k):
-            _, vjp = jax.vjp(lambda t, lk: body(t, lk, pre(t, lk, tok), tok), top, chunk(k))
-            dt, dl = vjp(g)
-            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, zeros_x
+        def b_first(at, al, loss, x, g, r, tok, k):
+            lk = chunk(k)
+            x0, pre_vjp = jax.vjp(lambda t: pre(t, lk, tok), top)
+            dl, dx = stage_grads(r, lk, x0, g, tok)
+            (dt,) = pre_vjp(dx)
+            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_x, zeros_r
 
-        def b_mid(at, al, loss, x, g, tok, k):
-            _, vjp = jax.vjp(lambda lk, xi: body(top, lk, xi, tok), chunk(k), x)
-            dl, dx = vjp(g)
-            return at, add_chunk(al, dl, k), loss, zeros_x, dx
+        def b_mid(at, al, loss, x, g, r, tok, k):
+            dl, dx = stage_grads(r, chunk(k), x, g, tok)
+            return at, add_chunk(al, dl, k), loss, zeros_x, dx, zeros_x, zeros_r
 
-        def b_last(at, al, loss, x, g, tok, k):
+        def b_last(at, al, loss, x, g, r, tok, k):
             val, vjp, (lm, sown) = jax.vjp(lambda t, lk, xi: post(t, lk, body(t, lk, xi, tok), tok),
                                            top, chunk(k), x, has_aux=True)
             dt, dl, dx = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
             loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
-            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx
+            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx, zeros_x, zeros_r
+
+        # ---- split backward (zb_h1): Bx sends the input cotangent, W adds the weight gradient;
+        # each applies the stashed vjp and XLA drops the half it does not return
+        def bx_first(at, al, loss, x, g, r, tok, k):
+            lk = chunk(k)
+            _, pre_vjp = jax.vjp(lambda t: pre(t, lk, tok), top)
+            (dt,) = pre_vjp(plan.join(r, {"lay": lk, "top": top})(g)[1])
+            return add_top(at, dt), al, loss, zeros_x, zeros_x, zeros_x, zeros_r
+
+        def bx_mid(at, al, loss, x, g, r, tok, k):
+            dx = plan.join(r, {"lay": chunk(k), "top": top})(g)[1]
+            return at, al, loss, zeros_x, dx, zeros_x, zeros_r
+
+        def bx_last(at, al, loss, y, g, r, tok, k):
+            lk = chunk(k)
+            val, vjp, (lm, sown) = jax.vjp(lambda t, yi: post(t, lk, yi, tok), top, y, has_aux=True)
+            dt, dy = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
+            dx = plan.join(r, {"lay": lk, "top": top})(dy)[1]
+            loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
+            dy = jax.tree.map(lambda a: vary(a, manual), dy)
+            return add_top(at, dt), al, loss, zeros_x, dx, dy, zeros_r
+
+        def w(at, al, loss, x, g, r, tok, k):
+            lk = chunk(k)
+            dl = plan.join(r, {"lay": lk, "top": top})(g)[0]
+            return at, add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_x, zeros_r
 
         branches = {IDLE: idle, F_FIRST: f_first, F_MID: f_mid, B_FIRST: b_first, B_MID: b_mid,
-                    B_LAST: b_last}
+                    B_LAST: b_last, F_LAST: f_mid, BX_FIRST: bx_first, BX_MID: bx_mid,
+                    BX_LAST: bx_last, W: w}
         used = sorted(set(np.unique(tt.code).tolist()))
         remap = np.zeros(max(branches) + 1, np.int32)
         remap[used] = np.arange(len(used))
@@ -209,21 +291,32 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         fns = [branches[c] for c in used]
         d = jax.lax.axis_index(AXIS)
 
+        def send(tree, patterns, idx):
+            nothing = lambda t: zeros_x
+            moves = [lambda t, pairs=pairs: jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, pairs), t)
+                     for pairs in patterns]
+            return jax.lax.switch(idx, [nothing, *moves], tree)
+
         def tick(carry, row):
-            at, al, loss, xbuf, gbuf = carry
+            at, al, loss, xbuf, gbuf, rbuf = carry
             r = row[d]
-            code, i, k, xs, gs, rx, rg = (r[j] for j in range(7))
+            code, i, k, xs, gs, rx, rg, rs, rp, yp, gp, fi, bi = (r[j] for j in range(13))
             tok = mb_at(i)
-            x_in, g_in = tree_at(xbuf, xs), tree_at(gbuf, gs)
-            at, al, loss, y, dx = jax.lax.switch(code, fns, at, al, loss, x_in, g_in, tok, k)
-            x_recv = jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, fwd_perm), y)
-            g_recv = jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, bwd_perm), dx)
+            x_in, g_in, r_in = tree_at(xbuf, xs), tree_at(gbuf, gs), tree_at(rbuf, rs)
+            at, al, loss, y, dx, g_keep, r_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
+                                                                r_in, tok, k)
+            x_recv = send(y, fwd_pats, fi)
+            g_recv = send(dx, bwd_pats, bi)
             # Slot n (one past the last) takes what arrives for nobody.
             put = lambda buf, new, i: jax.tree.map(
                 lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, i, 0), buf, new)
             xbuf = put(xbuf, x_recv, jnp.where(rx < 0, n_x, rx))
             gbuf = put(gbuf, g_recv, jnp.where(rg < 0, n_g, rg))
-            return (at, al, loss, xbuf, gbuf), None
+            rbuf = put(rbuf, r_out, jnp.where(rp < 0, n_r, rp))
+            if split:  # the last stage keeps its output for Bx and the loss's cotangent for W
+                xbuf = put(xbuf, y, jnp.where(yp < 0, n_x, yp))
+                gbuf = put(gbuf, g_keep, jnp.where(gp < 0, n_g, gp))
+            return (at, al, loss, xbuf, gbuf, rbuf), None
 
         acc_top = jax.eval_shape(lambda: scatter(top, {n: flat_specs[n] for n in top}))
         # microbatch gradients accumulate in float32 whatever the params' dtype (bf16 would
@@ -234,8 +327,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         acc_lay = {n: jnp.zeros((v, *a.shape), jnp.float32) for n, a in acc_lay.items()}
         buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
         loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
-        carry = jax.tree.map(lambda a: vary(a, manual), (acc_top, acc_lay, loss0, buf(n_x), buf(n_g)))
-        (acc_top, acc_lay, (loss, sown), _, _), _ = jax.lax.scan(tick, carry, table)
+        rbuf = [jnp.zeros((n_r + 1, *s.shape), s.dtype) for s in r_sds]
+        carry = jax.tree.map(lambda a: vary(a, manual),
+                             (acc_top, acc_lay, loss0, buf(n_x), buf(n_g), rbuf))
+        (acc_top, acc_lay, (loss, sown), *_), _ = jax.lax.scan(tick, carry, table)
         if v > 1:
             acc_lay = {n: from_interleaved(a, p, v) for n, a in acc_lay.items()}
         acc_lay = {n: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for n, a in acc_lay.items()}

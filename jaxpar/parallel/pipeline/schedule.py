@@ -10,12 +10,25 @@ sent at the end of tick t (by ppermute) can be used from tick t + 1.
 Each device runs its ops in a fixed order (the schedule); an op waits (idle ticks) until its
 inputs exist. Orders:
   gpipe            all forwards, then all backwards;
-  1f1b             p-1-d warm-up forwards, then one forward one backward, then cool-down
-                   backwards: at most p-d microbatches in flight on device d;
+  1f1b             ticks of two rows, a forward row and a backward row (ALTERNATE), so that every
+                   device runs one forward and one backward per tick in the steady state and no
+                   tick mixes a forward on one device with a backward on another (lockstep time
+                   = gpipe's): 2(p-1-d)+1 warm-up forwards (the round trip of a microbatch from
+                   device d down the pipeline and back), then one backward one forward, then
+                   the cool-down backwards: at most 2(p-1-d)+1 microbatches in flight on
+                   device d (2p-1 on device 0, flat in m; gpipe: m);
   interleaved_1f1b Megatron's interleaved order (microbatches in groups of p, chunk by chunk),
-                   warm-up (p-d-1)*2 + (v-1)*p forwards.
-Idle fraction read off the table: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v*m+p-1) for the
-interleaved one, i.e. a bubble/compute ratio of (p-1)/m divided by v.
+                   warm-up (p-d-1)*2 + (v-1)*p forwards;
+  zb_h1            zero bubble H1 (Qi et al. 2023): the backward split into B (input gradient,
+                   what the previous stage waits for) and W (weight gradient, which nobody
+                   waits for); p-d warm-up forwards, then B, W, F with device d holding back
+                   its first d W's, which fill the cool-down. At most p microbatches between F
+                   and W on every device (1f1b's peak, device 0's p).
+Idle fraction read off the table: (p-1)/(m+p-1) for gpipe, 2(p-1)/(m+2(p-1)) for 1f1b (rows,
+not ticks: its forward rows idle the backward half and vice versa), (p-1)/(v*m+p-1) for the
+interleaved one, i.e. a bubble/compute ratio of (p-1)/m divided by v; zb_h1's ticks are a third
+of a 1f1b op (F, B, W one tick each): (p-1)/(3m+p-1), a bubble of p-1 ticks against 1f1b's
+3(p-1) in the same units.
 """
 from __future__ import annotations
 
@@ -26,32 +39,40 @@ import numpy as np
 
 from jaxpar.config import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SPLIT = ("zb_h1",)  # schedules whose backward is split into B (input grad) and W (weight grad)
+ALTERNATE = ("1f1b",)  # schedules whose rows alternate: forwards only, then backwards only
 
-# Op codes of the runner's branches: what a tick does on a device.
-IDLE, F_FIRST, F_MID, B_FIRST, B_MID, B_LAST = range(6)
+# Op codes of the runner's branches: what a tick does on a device. The split schedules use
+# F_LAST (the last stage's forward, kept), BX_* (input gradient only) and W (weight gradient).
+IDLE, F_FIRST, F_MID, B_FIRST, B_MID, B_LAST, F_LAST, BX_FIRST, BX_MID, BX_LAST, W = range(11)
 CODE_NAMES = {IDLE: "idle", F_FIRST: "F first", F_MID: "F", B_FIRST: "B first", B_MID: "B",
-              B_LAST: "B last"}
+              B_LAST: "B last", F_LAST: "F last", BX_FIRST: "Bx first", BX_MID: "Bx",
+              BX_LAST: "Bx last", W: "W"}
 
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "F" | "B"
+    kind: str  # "F" | "B" | "W"
     mb: int
     chunk: int  # k: the device's chunk; global stage = chunk * p + device
 
 
-def check_schedule(schedule: str, p: int, m: int, v: int = 1, n_layers: int | None = None) -> None:
+def check_schedule(schedule: str, p: int, m: int, v: int = 1, n_layers: int | None = None,
+                   recompute: bool = False) -> None:
     """Clear errors for layouts a schedule cannot run."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if schedule in SPLIT and recompute:
+        raise ConfigError(f"pipeline.schedule={schedule} splits the backward at the residuals its "
+                          f"forward kept: it needs pipeline.recompute=false (got true)")
     if p < 1 or m < 1 or v < 1:
         raise ConfigError(f"pipeline sizes must be positive: pipeline={p}, microbatches={m}, "
                           f"virtual_stages={v}")
     if schedule != "interleaved_1f1b" and v != 1:
         raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved_1f1b "
                           f"(got {schedule!r}); set virtual_stages=1 or change the schedule")
-    if schedule in ("1f1b", "interleaved_1f1b") and m < p:
+    if schedule in ("1f1b", "interleaved_1f1b", "zb_h1") and m < p:
         raise ConfigError(
             f"pipeline.schedule={schedule} needs at least as many microbatches as stages: "
             f"microbatches={m} < mesh.pipeline={p}; raise pipeline.microbatches (or "
@@ -75,10 +96,10 @@ def device_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
         if schedule == "gpipe":
             ops = [Op("F", i, 0) for i in range(m)] + [Op("B", i, 0) for i in range(m)]
         elif schedule == "1f1b":
-            w = min(p - 1 - d, m)
+            w = min(2 * (p - 1 - d) + 1, m)
             ops = [Op("F", i, 0) for i in range(w)]
             for i in range(m - w):
-                ops += [Op("F", w + i, 0), Op("B", i, 0)]
+                ops += [Op("B", i, 0), Op("F", w + i, 0)]
             ops += [Op("B", i, 0) for i in range(m - w, m)]
         elif schedule == "interleaved_1f1b":
             fwd = [Op("F", g * p + j, k) for g in range(m // p) for k in range(v) for j in range(p)]
@@ -90,6 +111,17 @@ def device_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
             for i in range(n - w):
                 ops += [fwd[w + i], bwd[i]]
             ops += bwd[n - w:]
+        elif schedule == "zb_h1":
+            w = min(p - d, m)
+            ops, held = [Op("F", i, 0) for i in range(w)], 0
+            for j in range(m):
+                ops.append(Op("B", j, 0))
+                if j >= d:  # device d holds back d weight gradients for the cool-down
+                    ops.append(Op("W", held, 0))
+                    held += 1
+                if j + w < m:
+                    ops.append(Op("F", j + w, 0))
+            ops += [Op("W", i, 0) for i in range(held, m)]
         else:
             raise ConfigError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
         orders.append(ops)
@@ -111,8 +143,14 @@ class Timetable:
     g_slot: np.ndarray = field(repr=False, default=None)     # cotangent a backward reads
     recv_x: np.ndarray = field(repr=False, default=None)     # where the activation received at
     recv_g: np.ndarray = field(repr=False, default=None)     # the end of the tick goes (-1: none)
+    r_slot: np.ndarray = field(repr=False, default=None)     # residuals a backward reads
+    r_put: np.ndarray = field(repr=False, default=None)      # where a forward stashes them (-1: none)
+    y_put: np.ndarray = field(repr=False, default=None)      # split: the last stage's output kept
+    g_put: np.ndarray = field(repr=False, default=None)      # split: the loss's cotangent kept
     n_x_slots: int = 0
     n_g_slots: int = 0
+    n_r_slots: int = 0
+    recompute: bool = False  # backward recomputes its forward (no residual slots) or reads them
 
     @property
     def ticks(self) -> int:
@@ -130,14 +168,15 @@ class Timetable:
         return idle_formula(self.schedule, self.p, self.m, self.v)
 
     def in_flight(self) -> list[int]:
-        """Peak microbatch-chunks per device whose forward ran and backward has not (what a
-        stage stashes)."""
+        """Peak microbatch-chunks per device whose forward ran and backward (split: weight
+        gradient) has not (what a stage stashes)."""
         peaks = []
+        done = "W" if self.schedule in SPLIT else "B"
         for d in range(self.p):
             live = peak = 0
             for row in self.grid:
                 op = row[d]
-                if op is not None:
+                if op is not None and op.kind in ("F", done):
                     live += 1 if op.kind == "F" else -1
                     peak = max(peak, live)
             peaks.append(peak)
@@ -146,11 +185,14 @@ class Timetable:
     def lockstep_time(self, forward: float = 1.0, backward: float = 2.0) -> float:
         """Wall time of the runner's ticks in units of one device's whole forward (all its layers)
         of one microbatch, with a backward costing `backward` forwards. Ticks are lockstep (the
-        ppermutes at their end), so each lasts as long as its slowest device; the runner's
-        backward recomputes its forward (+1), and the last stage's forward is folded into its
-        backward (0)."""
-        f, b = forward / self.v, (forward + backward) / self.v
-        cost = np.array([0.0, f, f, b, b, b])  # IDLE, F_FIRST, F_MID, B_FIRST, B_MID, B_LAST
+        ppermutes at their end), so each lasts as long as its slowest device; with `recompute`
+        a backward runs its forward again (+1); the last stage's forward is folded into its
+        backward (which costs forward + backward in either mode). A split backward's halves cost
+        `backward` / 2 each, the last stage's input half its head and loss too (not counted)."""
+        f, b = forward / self.v, backward / self.v
+        rb = b + (f if self.recompute else 0.0)
+        #                IDLE F_FIRST F_MID B_FIRST B_MID B_LAST F_LAST BX_FIRST BX_MID BX_LAST W
+        cost = np.array([0.0, f, f, rb, rb, f + b, f, b / 2, b / 2, b / 2, b / 2])
         return float(cost[self.code].max(axis=1).sum())
 
     def render(self, width: int = 4) -> str:
@@ -173,13 +215,17 @@ class Timetable:
 def idle_formula(schedule: str, p: int, m: int, v: int = 1) -> float:
     if schedule == "interleaved_1f1b":
         return float(Fraction(p - 1, v * m + p - 1))
+    if schedule in SPLIT:
+        return float(Fraction(p - 1, 3 * m + p - 1))
+    if schedule in ALTERNATE:
+        return float(Fraction(2 * (p - 1), m + 2 * (p - 1)))
     return float(Fraction(p - 1, m + p - 1))
 
 
-def simulate(orders: list[list[Op]], p: int, v: int) -> list[list[Op | None]]:
+def simulate(orders: list[list[Op]], p: int, v: int, alternate: bool = False) -> list[list[Op | None]]:
     """Run each device's order in lockstep ticks; an op runs once its inputs were sent on an
     earlier tick (forward: the previous stage's forward; backward: the next stage's backward and
-    its own forward)."""
+    its own forward). `alternate`: even rows run forwards only, odd rows backwards only."""
     G = p * v
     done: dict[tuple[str, int, int], int] = {}  # (kind, mb, global stage) -> tick
     pos = [0] * p
@@ -192,9 +238,13 @@ def simulate(orders: list[list[Op]], p: int, v: int) -> list[list[Op | None]]:
             if pos[d] == len(orders[d]):
                 continue
             op = orders[d][pos[d]]
+            if alternate and (op.kind == "F") != (t % 2 == 0):
+                continue
             g = op.chunk * p + d
             if op.kind == "F":
                 deps = [("F", op.mb, g - 1)] if g > 0 else []
+            elif op.kind == "W":
+                deps = [("B", op.mb, g)]
             else:
                 deps = [("F", op.mb, g)] + ([("B", op.mb, g + 1)] if g < G - 1 else [])
             if all(done.get(k, t) < t for k in deps):
@@ -227,9 +277,16 @@ def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
     return slots, len(free_at)
 
 
-def build_timetable(schedule: str, p: int, m: int, v: int = 1) -> Timetable:
-    check_schedule(schedule, p, m, v)
-    grid = simulate(device_orders(schedule, p, m, v), p, v)
+def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool = False) -> Timetable:
+    """The table the runner executes. recompute=False: every forward but the last stage's
+    stashes its vjp residuals (r slots, from its forward to its backward) and a stage input is
+    kept only until its forward; recompute=True: the input is kept until the backward. A split
+    schedule keeps residuals and cotangents until W, and its last stage's forward runs on its
+    own tick: the output waits in an x slot (y_put) for B, the loss's cotangent in a g slot
+    (g_put) for W."""
+    check_schedule(schedule, p, m, v, recompute=recompute)
+    split = schedule in SPLIT
+    grid = simulate(device_orders(schedule, p, m, v), p, v, schedule in ALTERNATE)
     G, T = p * v, len(grid)
     at: dict[tuple[str, int, int], int] = {}
     for t, row in enumerate(grid):
@@ -241,44 +298,78 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1) -> Timetable:
                    code=np.zeros(shape, np.int32), mb=np.zeros(shape, np.int32),
                    chunk=np.zeros(shape, np.int32), x_slot=np.zeros(shape, np.int32),
                    g_slot=np.zeros(shape, np.int32), recv_x=np.full(shape, -1, np.int32),
-                   recv_g=np.full(shape, -1, np.int32))
-    # Values each device keeps: stage inputs (arrive with the previous stage's forward, last
-    # read by this stage's backward) and cotangents (arrive with the next stage's backward).
+                   recv_g=np.full(shape, -1, np.int32), r_slot=np.zeros(shape, np.int32),
+                   r_put=np.full(shape, -1, np.int32), y_put=np.full(shape, -1, np.int32),
+                   g_put=np.full(shape, -1, np.int32), recompute=recompute)
+    # Values each device keeps: stage inputs (arrive with the previous stage's forward, read by
+    # this stage's forward, and its backward when that recomputes), cotangents (arrive with the
+    # next stage's backward, read by this stage's backward, or W) and residuals (a forward's, for
+    # the backward or W).
+    last_kept = split  # the last stage's forward has its own tick
+    grad_op = "W" if split else "B"
     xs: list[list] = [[] for _ in range(p)]
     gs: list[list] = [[] for _ in range(p)]
+    rs: list[list] = [[] for _ in range(p)]
+    for i in range(m):
+        for g in range(G):
+            d, last = g % p, g == G - 1
+            x_until = "F" if not recompute and (not last or last_kept) else "B"
+            if g > 0:
+                xs[d].append((at[("F", i, g - 1)], at[(x_until, i, g)], (i, g)))
+            if not last:
+                gs[d].append((at[("B", i, g + 1)], at[(grad_op, i, g)], (i, g)))
+            if not recompute and (not last or last_kept):
+                rs[d].append((at[("F", i, g)], at[(grad_op, i, g)], (i, g)))
+            if last and last_kept:
+                xs[d].append((at[("F", i, g)], at[("B", i, g)], ("y", i)))
+                gs[d].append((at[("B", i, g)], at[("W", i, g)], (i, g)))
+    x_alloc = [_allocate(x)[0] for x in xs]
+    g_alloc = [_allocate(x)[0] for x in gs]
+    r_alloc = [_allocate(x)[0] for x in rs]
+    tt.n_x_slots, tt.n_g_slots, tt.n_r_slots = (max((len(set(a.values())) for a in alloc), default=0)
+                                                for alloc in (x_alloc, g_alloc, r_alloc))
     for i in range(m):
         for g in range(G):
             d = g % p
             if g > 0:
-                xs[d].append((at[("F", i, g - 1)], at[("B", i, g)], (i, g)))
+                tt.recv_x[at[("F", i, g - 1)], d] = x_alloc[d][(i, g)]
             if g < G - 1:
-                gs[d].append((at[("B", i, g + 1)], at[("B", i, g)], (i, g)))
-    x_alloc = [_allocate(x) for x in xs]
-    g_alloc = [_allocate(x) for x in gs]
-    tt.n_x_slots = max(n for _, n in x_alloc)
-    tt.n_g_slots = max(n for _, n in g_alloc)
-    for i in range(m):
-        for g in range(G):
-            d = g % p
-            if g > 0:
-                tt.recv_x[at[("F", i, g - 1)], d] = x_alloc[d][0][(i, g)]
-            if g < G - 1:
-                tt.recv_g[at[("B", i, g + 1)], d] = g_alloc[d][0][(i, g)]
+                tt.recv_g[at[("B", i, g + 1)], d] = g_alloc[d][(i, g)]
     for t, row in enumerate(grid):
         for d, op in enumerate(row):
             if op is None:
                 continue
             g = op.chunk * p + d
+            last = g == G - 1
             tt.mb[t, d], tt.chunk[t, d] = op.mb, op.chunk
-            if g > 0:
-                tt.x_slot[t, d] = x_alloc[d][0][(op.mb, g)]
-            if op.kind == "B" and g < G - 1:
-                tt.g_slot[t, d] = g_alloc[d][0][(op.mb, g)]
+            kept = not recompute and (not last or last_kept)
             if op.kind == "F":
-                # The last stage's forward is folded into its backward (which recomputes it).
-                tt.code[t, d] = F_FIRST if g == 0 else IDLE if g == G - 1 else F_MID
+                if g > 0:
+                    tt.x_slot[t, d] = x_alloc[d][(op.mb, g)]
+                if kept:
+                    tt.r_put[t, d] = r_alloc[d][(op.mb, g)]
+                if last and last_kept:
+                    tt.y_put[t, d] = x_alloc[d][("y", op.mb)]
+                # The last stage's forward is folded into its backward (but in a split schedule).
+                tt.code[t, d] = (F_FIRST if g == 0 else (F_LAST if last_kept else IDLE) if last
+                                 else F_MID)
+                continue
+            if kept:
+                tt.r_slot[t, d] = r_alloc[d][(op.mb, g)]
+            if not last or op.kind == "W":
+                tt.g_slot[t, d] = g_alloc[d][(op.mb, g)]
+            if op.kind == "W":
+                tt.code[t, d] = W
+                continue
+            if last and last_kept:
+                tt.x_slot[t, d] = x_alloc[d][("y", op.mb)]
+                tt.g_put[t, d] = g_alloc[d][(op.mb, g)]
+            elif g > 0 and (recompute or last):
+                tt.x_slot[t, d] = x_alloc[d][(op.mb, g)]
+            if split:
+                tt.code[t, d] = BX_FIRST if g == 0 else BX_LAST if last else BX_MID
             else:
-                tt.code[t, d] = B_FIRST if g == 0 else B_LAST if g == G - 1 else B_MID
+                tt.code[t, d] = B_FIRST if g == 0 else B_LAST if last else B_MID
     return tt
 
 
@@ -296,7 +387,9 @@ def plot_timetable(tt: Timetable, path: str) -> str:
         for d, op in enumerate(row):
             if op is None:
                 continue
-            color = cmap((2 * op.mb) % 20 + (0 if op.kind == "B" else 1))
+            color = cmap((2 * op.mb) % 20 + (1 if op.kind == "F" else 0))
+            if op.kind == "W":
+                color = tuple(0.55 * c for c in color[:3])
             ax.add_patch(Rectangle((t, tt.p - 1 - d), 1, 1, facecolor=color, edgecolor="white"))
             label = f"{op.kind}{op.mb}" + (f".{op.chunk}" if tt.v > 1 else "")
             ax.text(t + 0.5, tt.p - 0.5 - d, label, ha="center", va="center", fontsize=6)

@@ -1,0 +1,137 @@
+"""Pipeline performance, read off the compiled step: without recompute a backward no longer runs
+its stage's forward again (XLA's cost_analysis FLOPs); zb_h1's input-gradient half computes no
+weight gradient; the gradients of both still equal the one-device step's."""
+import numpy as np
+import pytest
+
+from jaxpar.parallel.pipeline import build_timetable
+from jaxpar.parallel.pipeline.schedule import B_FIRST, B_LAST, B_MID, BX_FIRST, W
+from tests.pipeline_util import branch_flops, loss_and_grads
+from tests.test_pipeline import assert_matches
+
+P4 = ["model.n_layers=4", "mesh.data=1", "mesh.pipeline=4", "train.grad_accum=4"]
+CODES = (B_FIRST, B_MID, B_LAST)
+
+
+def stage_forward_flops() -> float:
+    """The matmul FLOPs of one tiny-model layer (one stage here) on one microbatch: 4 sequences
+    of 32 tokens, dim 128, 4 query and 2 kv heads of 32, SwiGLU 384 (models/llama.py)."""
+    tokens, d, hd, f, b, s, h = 4 * 32, 128, 32, 384, 4, 32, 4
+    weights = d * 4 * hd * 2 + d * 2 * hd * 2 + 3 * d * f
+    return 2 * tokens * weights + 2 * 2 * b * h * s * s * hd  # + scores and weighted values
+
+
+@pytest.fixture(scope="module")
+def flops(devices):
+    return {r: branch_flops(P4 + [f"pipeline.recompute={str(r).lower()}"], devices[:4], CODES)
+            for r in (True, False)}
+
+
+def test_no_recompute_drops_one_stage_forward_per_backward(flops):
+    """A recomputing backward runs the stage's forward again, all but what no gradient needs (the
+    last projection's output: XLA removes it as dead code), so the saving lies between a
+    forward without its last projection (w_down, 2 x 128 x 128 x 384) and a whole one."""
+    again, stash, fwd = flops[True], flops[False], stage_forward_flops()
+    last = 2 * 128 * 128 * 384
+    for code in (B_MID, B_FIRST):
+        assert fwd - last - 0.05 * fwd <= again[code] - stash[code] <= 1.05 * fwd, code
+        # what is left is the backward: twice the forward's matmuls
+        assert stash[code] == pytest.approx(2 * fwd, rel=0.1), code
+    # the last stage's forward was always folded into its backward
+    assert stash[B_LAST] == pytest.approx(again[B_LAST], rel=0.01)
+
+
+def test_step_flops_drop_by_one_stage_forward_per_microbatch(flops):
+    """Summed over the timetable's ticks and devices: the step saves p - 1 stage forwards per
+    microbatch (every stage but the last, whose forward is its backward's)."""
+    p, m = 4, 4
+
+    def step(recompute):
+        tt = build_timetable("1f1b", p, m, recompute=recompute)
+        return sum(flops[recompute].get(int(c), 0.0) for c in tt.code.ravel())
+
+    saved = m * (p - 1) * (flops[True][B_MID] - flops[False][B_MID])
+    assert step(True) - step(False) == pytest.approx(saved, rel=0.02)
+    assert saved >= 0.8 * m * (p - 1) * stage_forward_flops()
+
+
+def test_zb_h1_input_half_has_no_weight_gradient(flops, devices):
+    """Bx of the first stage (its layers' input cotangent, then the embedding's gradient) skips
+    the weight-gradient matmuls: a forward's worth below the whole backward. W applies the same
+    vjp for the weight half; XLA can drop only its last input-gradient matmuls, the chain of
+    activation gradients inside the stage is computed again (the known cost of this split:
+    docs/pipeline.md), so W is never more than the whole backward."""
+    zb = branch_flops(P4 + ["pipeline.schedule=zb_h1"], devices[:4], (BX_FIRST, W))
+    whole, fwd = flops[False][B_FIRST], stage_forward_flops()
+    assert whole - zb[BX_FIRST] == pytest.approx(fwd, rel=0.1)
+    assert 0.9 * flops[False][B_MID] <= zb[W] <= flops[False][B_MID]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["mesh.pipeline=4", "train.grad_accum=4", "pipeline.schedule=zb_h1"],
+    ["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=4", "pipeline.schedule=zb_h1"],
+    ["mesh.pipeline=4", "train.grad_accum=4"],
+    ["mesh.pipeline=4", "pipeline.schedule=gpipe", "train.grad_accum=8"],
+    ["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=2"],
+    ["mesh.fsdp=2", "mesh.pipeline=2", "sharding.zero_stage=3", "train.grad_accum=2", "mesh.tensor=2"],
+])
+def test_no_recompute_grads_match_one_device(overrides, reference, devices):
+    n = int(np.prod([int(o.split("=")[1]) for o in overrides if o.startswith("mesh.")]))
+    layout = [] if any(o.startswith("mesh.data=") for o in overrides) else ["mesh.data=1"]
+    assert_matches(loss_and_grads(["model.n_layers=4", "pipeline.recompute=false"] + layout + overrides,
+                                  devices[:n]), reference)
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    return loss_and_grads(["model.n_layers=4", "mesh.data=1"], devices[:1])
+
+
+def test_ppermutes_send_only_real_values(devices):
+    """The compiled step's collective-permutes are the timetable's send patterns, one each: no
+    pair on a tick whose source has nothing to send (1f1b p=4 m=4: 5 forward and 5 backward
+    patterns from the fill and the drain; the old runner's two full ppermutes per tick sent
+    zeros on the idle ones)."""
+    import re
+
+    from jaxpar.parallel.pipeline.runner import send_patterns
+    from jaxpar.train.trainer import Trainer
+    from tests.conftest import tiny_config
+    from tests.pipeline_util import PIPELINE_TINY
+    trainer = Trainer(tiny_config(*PIPELINE_TINY, *P4), devices=devices[:4], log=lambda s: None)
+    hlo = trainer.compile().as_text()
+    found = [tuple(tuple(map(int, pair.split(","))) for pair in re.findall(r"\{(\d+,\d+)\}", pairs))
+             for pairs in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)]
+    tt = build_timetable("1f1b", 4, 4)
+    fwd, _ = send_patterns(tt.recv_x, [(0, 1), (1, 2), (2, 3)])
+    bwd, _ = send_patterns(tt.recv_g, [(1, 0), (2, 1), (3, 2)])
+    assert sorted(found) == sorted(fwd + bwd)
+    assert len(fwd) == len(bwd) == 5
+
+
+def test_stash_references_params_not_copies():
+    """A stage's vjp splits into what a tick stashes and references to the params the backward
+    has anyway (no copy of the weights per microbatch in flight); joined again in another trace,
+    it gives the same gradients as the vjp itself (float64 numpy reference)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.parallel.pipeline.residuals import StashPlan
+    rng = np.random.default_rng(0)
+    w, x, ct = (rng.standard_normal(s) for s in ((3, 4), (2, 3), (2, 4)))
+    f = lambda w, x: jnp.tanh(x @ w)
+    plan = StashPlan()
+
+    @jax.jit
+    def forward(w, x):
+        _, fn = jax.vjp(f, w, x)
+        return plan.split(fn, {"lay": {"w": w}})
+
+    kept = forward(w, x)
+    assert plan.refs.count(("lay", "w")) == 1 and len(kept) == len(plan.refs) - 1
+    assert all(a.shape != w.shape for a in kept)
+    dw, dx = jax.jit(lambda kept, w, ct: plan.join(kept, {"lay": {"w": w}})(ct))(kept, w, ct)
+    y = np.tanh(x @ w)
+    g = ct * (1 - y ** 2)
+    np.testing.assert_allclose(dw, x.T @ g, rtol=1e-5)
+    np.testing.assert_allclose(dx, g @ w.T, rtol=1e-5)
