@@ -38,6 +38,8 @@ LAYOUTS = [
     "mesh.data=2 mesh.fsdp=4 sharding.zero_stage=3 train.remat=full",
     f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 {TOL}",
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe {TOL}",
+    f"mesh.data=2 mesh.pipeline=4 train.grad_accum=8 {TOL}",
+    f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.recompute=true {TOL}",
     f"mesh.data=2 mesh.expert=4 model.moe.num_experts=4 {TOL}",
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1",
     "mesh.data=2 mesh.tensor=2 mesh.fsdp=2 sharding.zero_stage=3 train.remat=dots_saveable",
@@ -88,6 +90,10 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
             continue  # scalars and norm-sized reductions
         if tensor and (kind != "all-reduce" or cfg.sharding.sequence_parallel):
             continue
+        if kind == "collective-permute":
+            # the runner's sends sit in per-tick conditionals: the HLO's loop count sees each on
+            # every tick (tests/test_pipeline_perf.py checks them against the timetable instead)
+            continue
         rel = 0.35 if tensor else 0.25 if kind == "all-gather" and cfg.sharding.zero_stage == 3 else 0.05
         assert got == pytest.approx(want, rel=rel), (kind, got, want)
 
@@ -134,13 +140,22 @@ def test_memory_budget_rejects_and_says_so(quickstart_plan):
 
 
 @pytest.mark.parametrize("run", [WEAK_SCALING[0], WEAK_SCALING[3]], ids=lambda r: r.name)
-def test_megatron_weak_scaling_rows(run):
-    """Narayanan et al. 2021, Table 1 (docs/planner.md has every row): the cost model's figure
-    for the paper's own layout within 20% of the published FLOP/s per GPU; the planner's own
+def test_megatron_weak_scaling_rows_without_pipeline(run):
+    """Narayanan et al. 2021, Table 1 (docs/planner.md has every row): for the paper's own layout
+    the cost model's FLOP/s per GPU is within 20% of the published figure; the planner's own
     best plan keeps tensor parallelism inside a node and fits 80 GB."""
     r = check_run(run)
     assert abs(r["residual"]) <= 0.20, r
     assert r["tensor_in_node"] and r["fits"], r
+
+
+def test_megatron_weak_scaling_large_row():
+    """76.1B on 1024 A100s: the planner's best plan (tensor in a node, fits) is predicted within
+    20% of the published throughput. (The paper's own pipelined layout is predicted ~30% below
+    it: jaxpar's lockstep pipeline runner, docs/planner.md.)"""
+    r = check_run(WEAK_SCALING[5])
+    assert r["tensor_in_node"] and r["fits"], r
+    assert abs(r["best_tflops"] / r["published_tflops"] - 1) <= 0.20, r
 
 
 def test_cluster_presets_and_errors(tmp_path):

@@ -13,7 +13,7 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
                   (sequence parallel: an all-gather + reduce-scatter pair each instead), + 2 at
                   the embedding/head; remat "full" repeats the forward's
   pipeline        collective-permutes of stage activations (forward) and their gradients
-                  (backward), both on every one of the 2(vm + p - 1) ticks (idle ticks send too)
+                  (backward) on each tick of the timetable on which some device receives
   expert          4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and
                   backward) of top_k x capacity_factor x tokens x D
 """
@@ -166,10 +166,12 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
     p = layout.size("pipeline")
     if p > 1:
         before = sum(r["wire_bytes"] for r in out.values())
+        from jaxpar.planner.timing import timetable
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-        ticks = 2 * (v * micro + p - 1)  # forward and backward phases
-        # today's runner permutes both directions on every tick, idle ones too (zeros)
-        add_op(out, "collective-permute", act, p, 2 * ticks, link(("pipeline",)))
+        tt = timetable(layout.schedule, p, micro, v, layout.recompute)
+        # the runner permutes on the ticks on which some device receives (no sends when idle)
+        sends = int((tt.recv_x >= 0).any(axis=1).sum() + (tt.recv_g >= 0).any(axis=1).sum())
+        add_op(out, "collective-permute", act, p, sends, link(("pipeline",)))
         purpose["pipeline"] = sum(r["wire_bytes"] for r in out.values()) - before
     e = layout.size("expert")
     if e > 1 and m.moe.num_experts:

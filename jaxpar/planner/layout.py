@@ -21,6 +21,7 @@ class Layout:
     schedule: str = "1f1b"        # pipeline.schedule (used when mesh.pipeline > 1)
     virtual_stages: int = 1
     microbatches: int | None = None  # pipeline.microbatches; None: grad_accum
+    recompute: bool = False          # pipeline.recompute
     dcn: dict[str, int] = field(default_factory=dict)  # the across-hosts part of each axis
 
     @property
@@ -41,7 +42,8 @@ class Layout:
                 f"train.grad_accum={self.grad_accum}"]
         if self.size("pipeline") > 1:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
-                    f"pipeline.microbatches={self.microbatches or 'null'}"]
+                    f"pipeline.microbatches={self.microbatches or 'null'}",
+                    f"pipeline.recompute={str(self.recompute).lower()}"]
         if any(n > 1 for n in self.dcn.values()):
             out.append("mesh.dcn={" + ",".join(f"{a}: {n}" for a, n in self.dcn.items() if n > 1) + "}")
         return out
@@ -55,6 +57,7 @@ class Layout:
         extra = f" zero={self.zero_stage} remat={self.remat} accum={self.grad_accum}"
         if self.size("pipeline") > 1:
             extra += f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
+            extra += " recompute" if self.recompute else ""
         return mesh + extra
 
     @classmethod
@@ -65,7 +68,7 @@ class Layout:
         t = cfg.train
         return cls({a: sizes[a] for a in MESH_AXES}, cfg.sharding.zero_stage, t.remat, t.grad_accum,
                    cfg.pipeline.schedule, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches,
-                   dict(cfg.mesh.dcn))
+                   cfg.pipeline.recompute, dict(cfg.mesh.dcn))
 
 
 def abstract_plan(cfg: Config, layout: Layout) -> Plan:

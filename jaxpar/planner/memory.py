@@ -10,8 +10,8 @@
                 the updated params, all-gathered from the optimizer's shards
     activations what the backward keeps, per token and layer, by remat policy and attention
                 implementation, for the tokens of one microbatch on a device; a pipeline stage
-                (which recomputes its forward in the backward) keeps only each in-flight
-                microbatch's input (gpipe: m of them, 1f1b: min(p, m))
+                stashes its vjp residuals in its timetable's slots (pipeline.recompute: false),
+                or keeps only each in-flight microbatch's input (recompute: true)
     working     what is live while a backward recomputes: a share of one layer's activations
                 (remat), a whole stage's for one microbatch (pipeline)
     logits      float32 [tokens, vocab / tensor] logits, their softmax and gradient
@@ -39,6 +39,9 @@ ADAM_TRANSIENT = 1.0     # float32 copies of the optimizer shard Adam's update h
 # A pipeline stage's backward holds its recomputed forward: layers' worth of activations per
 # stage layer (measured; 1f1b's runner keeps a forward and a backward tick's buffers at once).
 STAGE_WORKING = {"gpipe": 1.1, "1f1b": 1.6}
+# pipeline.recompute false: per residual slot, and live besides, in one microbatch's stage
+# activations (measured: 1f1b p=2 m=2, gpipe p=4 m=4, 1f1b p=4 m=8)
+STASH_PER_SLOT, STASH_WORKING = 1.1, 4.1
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
 
@@ -189,12 +192,21 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     layers = ms.layers / layout.size("pipeline")
     full = per_token_layer_bytes(ms, "none", c, tp, t.seq_len, xla, sp)
     kept = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp)
-    if layout.size("pipeline") > 1:
+    if layout.size("pipeline") > 1 and layout.recompute:
         # The pipeline's backward recomputes its stage's forward: a stage keeps each in-flight
         # microbatch's input, and holds one microbatch's stage activations while it runs a backward.
         out["activations"] = tokens * ms.dim * c * in_flight(layout, microbatches)
         stage = layers * STAGE_WORKING["gpipe" if layout.schedule == "gpipe" else "1f1b"]
         out["working"] = tokens * stage * (full if layout.remat == "none" else kept + WORKING * full / layers)
+    elif layout.size("pipeline") > 1:
+        # A forward tick stashes its stage's vjp residuals for its backward: the timetable's
+        # residual slots of one microbatch's stage activations each, plus the working set.
+        from jaxpar.planner.timing import timetable
+        v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
+        slots = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, False).n_r_slots
+        stage = tokens * layers / v * (kept if layout.remat != "none" else full)
+        out["activations"] = STASH_PER_SLOT * slots * stage
+        out["working"] = STASH_WORKING * stage
     else:
         out["activations"] = tokens * layers * kept
         out["working"] = WORKING * tokens * full if layout.remat != "none" else 0.0

@@ -76,7 +76,7 @@ def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8") -> dict:
     model = ModelDef.from_factory(llama_model_factory(cfg))
     tflops = lambda scored: run.megatron_flops() / scored.time.step_s / run.gpus / 1e12
     paper = search(cfg, cluster, model, fixed={"tensor": run.tensor, "pipeline": run.pipeline, "fsdp": 1},
-                   options_fixed={"remat": "full", "zero_stage": 0})
+                   options_fixed={"remat": "full", "zero_stage": 0, "recompute": False})
     free = search(cfg, cluster, model)
     out = {"run": run.name, "gpus": run.gpus, "published_tflops": run.tflops_per_gpu,
            "paper_layout": f"tensor={run.tensor} pipeline={run.pipeline}"}

@@ -18,6 +18,8 @@ from jaxpar.train.layout_checks import check_layout
 from jaxpar.train.precision import DTYPES
 
 REMATS = ("none", "dots_saveable", "full")
+# zb_h1 is left out: its weight-gradient half costs a whole backward today (docs/pipeline.md),
+# which the timetable's lockstep model (halves of b/2) does not know
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MAX_MICROBATCHES = 512
 HEADROOM = 0.9  # of device memory the plan may use (allocator fragmentation, XLA's own buffers)
@@ -78,7 +80,7 @@ def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None 
     """Why the config checks refuse `layout` (None: they accept it). `cache` keeps the
     replication check's answer per mesh and ZeRO stage."""
     t = cfg.train.model_copy(update={"grad_accum": layout.grad_accum, "remat": layout.remat})
-    pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule,
+    pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule, "recompute": layout.recompute,
                                            "virtual_stages": layout.virtual_stages,
                                            "microbatches": layout.microbatches})
     c = cfg.model_copy(update={"train": t, "pipeline": pipe})
@@ -128,8 +130,9 @@ def options(cfg: Config, mesh: dict[str, int]):
                     v = 2 if sched == "interleaved_1f1b" else 1
                     if v > 1 and m.n_layers % (p * v):
                         continue
-                    yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched,
-                               virtual_stages=v)
+                    for recompute in (False, True):
+                        yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched,
+                                   virtual_stages=v, recompute=recompute)
 
 
 def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None = None,

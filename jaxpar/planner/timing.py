@@ -1,19 +1,21 @@
 """Step time of a layout on a cluster: compute + exposed communication + pipeline bubble.
 
   compute   model FLOPs per device (6N + attention, PaLM's count; MoE: the active params) times
-            the recompute factor (remat full: a second forward, 4/3; dots_saveable: 1.05; the
-            pipeline recomputes each stage forward in its backward: +1/3, twice with remat full)
+            the recompute factor (remat full: a second forward, 4/3; dots_saveable: 1.05)
             / (peak FLOP/s of the compute dtype x efficiency.matmul)
   comm      per collective: wire bytes / (link bandwidth x efficiency.comm) + ring steps x
             latency, on the intra- or inter-host link by the layout's dcn split; gradient sync
             hidden by efficiency.overlap, ZeRO-3 gathers by efficiency.gather_overlap; tensor,
             pipeline and expert collectives sit on the critical path
   overhead  efficiency.layer_overhead_us per layer and microbatch (launches, loop steps)
-  bubble    (p - 1) / m of the per-microbatch work for gpipe and 1f1b, / v for interleaved
+  bubble    a pipeline's timetable (jaxpar/parallel/pipeline/schedule.py) in lockstep: its ticks
+            over the stage work 3m (idle ticks, the last stage's forward folded into its
+            backward, pipeline.recompute's second forward), as a stretch of the critical path
 MFU = model FLOPs (no recompute) per step / (step time x devices x peak).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from jaxpar.metrics import llama_flops_per_token
@@ -34,18 +36,26 @@ def model_flops_per_token(cfg, model) -> float:
 
 
 def recompute_factor(layout: Layout) -> float:
-    f = RECOMPUTE[layout.remat]
-    if layout.size("pipeline") > 1:  # the stage forward again in each backward
-        f += 1 / 3
-    return f
+    """Work per step over the model's (remat); a pipeline's own recompute is in its timetable."""
+    return RECOMPUTE[layout.remat]
 
 
-def bubble_fraction(layout: Layout, microbatches: int) -> float:
+@functools.lru_cache(maxsize=4096)
+def timetable(schedule: str, p: int, m: int, v: int, recompute: bool):
+    from jaxpar.parallel.pipeline.schedule import build_timetable
+    return build_timetable(schedule, p, m, v, recompute)
+
+
+def pipeline_stretch(layout: Layout, microbatches: int) -> float:
+    """The pipeline runner's lockstep time (its timetable: bubble, the last stage's forward
+    folded into its backward, recompute) over the stage work without them, 3m (forward 1,
+    backward 2)."""
     p = layout.size("pipeline")
     if p == 1:
-        return 0.0
+        return 1.0
     v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-    return (p - 1) / (v * microbatches)
+    tt = timetable(layout.schedule, p, microbatches, v, layout.recompute)
+    return tt.lockstep_time(1.0, 2.0) / (3.0 * microbatches)
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,7 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict) -> StepT
     overhead = micro * cfg.model.n_layers / layout.size("pipeline") * eff.layer_overhead_us * 1e-6
     critical = (compute + overhead + exposed["tensor"] + exposed["pipeline"] + exposed["expert"]
                 + exposed["zero3_gather"])
-    bubble = bubble_fraction(layout, micro) * critical
+    bubble = (pipeline_stretch(layout, micro) - 1.0) * critical
     step = critical + bubble + exposed["grad_sync"]
     return StepTime(compute + overhead, exposed, bubble, step, tokens / step,
                     model_flops / (step * devices * peak),
