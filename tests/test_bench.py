@@ -109,3 +109,12 @@ def test_overhead_times_both_steps():
     # same model, same seed, same batch: the same loss before any update
     assert res["jaxpar"]["first_loss"] == pytest.approx(res["baseline"]["first_loss"], rel=1e-4)
     assert res["ratio"] > 0 and "ratio jaxpar/baseline" in mod.format_result(res)
+
+
+def test_planner_bench_ranks_and_times_planning():
+    mod, cfg = load("planner", None, TINY)
+    res = mod.run(cfg, steps=1, layouts=mod.LAYOUTS[:3])
+    assert len(res["layouts"]) == 3 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in res["layouts"])
+    assert -1 <= res["spearman"] <= 1 and res["plan_70b_1024_s"] > 0 and res["plan_70b_best"]
+    assert "Spearman" in mod.format_result(res)
+    assert mod.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1) and mod.spearman([1, 2, 3], [3, 2, 1]) < 0

@@ -35,11 +35,11 @@ LAYOUTS = [
     "mesh.data=2 mesh.tensor=2 mesh.fsdp=2",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3",
     "mesh.data=2 mesh.fsdp=4 sharding.zero_stage=3 train.remat=full",
-    "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2 train.grad_accum=4",
-    "mesh.data=8 sharding.zero_stage=0 train.grad_accum=4",
+    "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2 train.grad_accum=2",
+    "mesh.data=8 sharding.zero_stage=0 train.grad_accum=2",
     f"mesh.data=4 mesh.pipeline=2 train.grad_accum=4 {TOL}",
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe {TOL}",
-    "mesh.data=2 mesh.tensor=4",
+    "mesh.data=2 mesh.fsdp=4 sharding.zero_stage=1",
 ]
 
 
@@ -63,11 +63,15 @@ def measure(cfg: Config, steps: int) -> float:
     return float(np.median(times))
 
 
-def run(cfg: Config, log: Callable[[str], None] = lambda s: None, steps: int = 5) -> dict:
+RESET = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1", "mesh.expert=1"]
+
+
+def run(cfg: Config, log: Callable[[str], None] = lambda s: None, steps: int = 5,
+        layouts: list[str] = LAYOUTS) -> dict:
     cluster = load_cluster(cfg.planner.cluster or "cpu8").with_devices(jax.device_count())
     rows = []
-    for overrides in LAYOUTS:
-        c = with_overrides(cfg, overrides.split())
+    for overrides in layouts:
+        c = with_overrides(cfg, [*RESET, *overrides.split()])
         layout = Layout.of_config(c, jax.device_count())
         tr = Trainer(c, log=lambda s: None)
         comm = step_collectives(c, layout, tr.model, abstract_plan(c, layout))
