@@ -50,20 +50,24 @@ def token_loss_sum(sum_fn: Callable, logits, targets: jax.Array) -> jax.Array:
 
 @dataclass(frozen=True)
 class MicrobatchLoss:
-    """loss(logits, tokens, sown) -> (value to differentiate, (token loss, sown metrics)) for one
+    """loss(logits, targets, sown) -> (value to differentiate, (token loss, sown metrics)) for one
     microbatch on one device. The token NLL is divided by `n_tokens`, the tokens of the whole batch
     one gradient is the mean over (this device's batch times `devices`), and the sown values by
-    the microbatch's share of it: summed over microbatches and devices, both are global means."""
+    the microbatch's share of it: summed over microbatches and devices, both are global means.
+    With `sequence_shards` (context parallelism) a device holds that fraction of each sequence:
+    its partial token sum still divides by the global count, its sown means count 1/shards."""
 
     sum_fn: Callable[[jax.Array, jax.Array], jax.Array]
     n_tokens: int
     share: float
 
     @classmethod
-    def for_batch(cls, sum_fn, local_tokens_shape: tuple[int, int], devices: int, microbatches: int):
-        """`local_tokens_shape`: this device's [batch, seq + 1] (all its microbatches)."""
+    def for_batch(cls, sum_fn, local_tokens_shape: tuple[int, int], devices: int, microbatches: int,
+                  sequence_shards: int = 1):
+        """`local_tokens_shape`: this device's [batch, seq + 1] (all its microbatches, whole
+        sequences)."""
         batch, seq1 = local_tokens_shape
-        return cls(sum_fn, batch * (seq1 - 1) * devices, 1.0 / (devices * microbatches))
+        return cls(sum_fn, batch * (seq1 - 1) * devices, 1.0 / (devices * microbatches * sequence_shards))
 
-    def __call__(self, logits: jax.Array, tokens: jax.Array, sown: dict):
-        return add_sown(token_loss_sum(self.sum_fn, logits, tokens[:, 1:]) / self.n_tokens, sown, self.share)
+    def __call__(self, logits: jax.Array, targets: jax.Array, sown: dict):
+        return add_sown(token_loss_sum(self.sum_fn, logits, targets) / self.n_tokens, sown, self.share)

@@ -76,7 +76,7 @@ def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int, pipeline: Any = None,
                     compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
                     loss_sum_fn: Callable = cross_entropy_sum, loss_chunk: int | None = None,
-                    skip_nonfinite: bool = False, return_grads: bool = False):
+                    skip_nonfinite: bool = False, return_grads: bool = False, context: Any = None):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
     [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
     or gradient norm is not finite leaves the state unchanged but for the step counter and reports
@@ -85,10 +85,12 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     metrics["grads"] is what the optimizer receives, after the sync's reduction: the mean gradient
     (replica-stacked under local SGD; 1-bit Adam after its warm-up hands over its reduced
     momentum instead). Microbatch gradients are accumulated in float32. `loss_chunk`
-    (train.loss_chunk): the loss forms the logits that many tokens at a time."""
+    (train.loss_chunk): the loss forms the logits that many tokens at a time. `context`
+    (config.ContextConfig): how sequences split over mesh.context (parallel/context.py)."""
     sync = spec.sync
     manual, sizes = sync.manual, plan.mesh.shape
-    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], remat, sync.wire_dtype, loss_chunk)
+    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], remat, sync.wire_dtype, loss_chunk,
+                           context)
     accumulate = make_accumulation(model, plan, forward, sync, grad_accum=grad_accum, pipeline_cfg=pipeline)
     # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order of
     # the psum's axes changes the rounding of the loss between processes
@@ -102,7 +104,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         # them up again, N times the gradient; in a pipeline, inside a per-stage branch). Varying,
         # each device gets its local gradient, and the sync's reduction is the one that is checked.
         params = jax.tree.map(lambda p: vary(p, busy), params)
-        loss = MicrobatchLoss.for_batch(loss_sum_fn, tokens.shape, group, accumulate.microbatches)
+        loss = MicrobatchLoss.for_batch(loss_sum_fn, tokens.shape, group, accumulate.microbatches,
+                                        forward.context.size)
         mbs = tokens.reshape(accumulate.microbatches, -1, tokens.shape[1])
         losses, grads, aux = accumulate(params, mbs, loss)
         grads, comm = sync.reduce(grads, comm, extra)

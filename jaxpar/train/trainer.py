@@ -24,6 +24,7 @@ from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import (compiled_memory, format_banner, generic_flops_per_token, llama_flops_per_token,
                             peak_flops)
 from jaxpar.observe import build_callbacks
+from jaxpar.parallel.context import check_layout as check_context
 from jaxpar.parallel.expert import check_layout as check_experts
 from jaxpar.parallel.pipeline import check_pipeline_layout
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
@@ -56,6 +57,7 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True) -> None:
     if check_model:
         check_experts(m, shape)
         check_attention(m.attention, plan.mesh.devices.flat[0].platform, t.compute_dtype)
+    check_context(cfg, shape, check_model)
     if shape.get("pipeline", 1) > 1:
         check_pipeline_layout(cfg, plan, check_model)
     dp = plan.batch_size_divisor
@@ -118,7 +120,7 @@ class Trainer:
         kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline,
                   compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat,
                   lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite,
-                  loss_chunk=cfg.train.loss_chunk)
+                  loss_chunk=cfg.train.loss_chunk, context=cfg.context)
         return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
 
     def make_evaluator(self) -> Evaluator:

@@ -145,7 +145,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         def post(top, lay_k, y, tok):
             with nn.collect_aux() as sown:
                 logits = call(top, lay_k, tok, lambda stack, carry, fn: y, True)
-            return loss_fn(logits, tok, sown)
+            return loss_fn(logits, tok[:, 1:], sown)
 
         def chunk(k):
             return {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))
