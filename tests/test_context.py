@@ -180,3 +180,18 @@ def test_context_config_is_validated():
         tiny_config("context.strategy=ulysses")
     with pytest.raises(ConfigError, match="mesh.context"):
         tiny_config("mesh.context=0")
+
+
+def test_bench_context_rows_and_table(devices):
+    """`jaxpar bench context` at a tiny size: the ring's permute bytes are its analytic volume,
+    the split sequence needs less temp memory per device, and the table prints."""
+    from jaxpar.bench import context as bench
+    from jaxpar.bench import load
+    _, cfg = load("context", None, ["model.n_layers=1", "model.attention_block=64"])
+    res = bench.run(cfg, seqs=(512,), strategies=("blockwise", "ring"), budget=2**40, max_seq=512)
+    by = {r["strategy"]: r for r in res["rows"]}
+    ring = by["ring"]
+    assert 1.0 <= ring["collective_bytes"]["collective-permute"] / ring["analytic_ring_bytes"] <= 1.05
+    assert ring["temp_bytes"] < by["blockwise"]["temp_bytes"] / 2
+    assert res["longest_fitting"] == {"blockwise": 512, "ring": 512}
+    assert "ring" in bench.format_result({"benchmark": "context", **res})

@@ -9,6 +9,8 @@
   compression  gradient-reduction bytes per step per compression method (HLO) and loss beside none
   convert   Hugging Face import / export MB/s of a ~300 MB checkpoint (safetensors <-> sharded params)
   attention  temp memory per device and time of xla vs blockwise attention at 2K / 8K tokens
+  context   xla / blockwise (a sequence per device) vs ring / all_to_all (a sequence over mesh.context):
+            temp memory, collective bytes vs the analytic ring volume, step time, longest fitting seq
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
 benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
@@ -37,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "pipeline": "jaxpar.bench.pipeline",
     "convert": "jaxpar.bench.convert",
     "attention": "jaxpar.bench.attention",
+    "context": "jaxpar.bench.context",
 }
 
 

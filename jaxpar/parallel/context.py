@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxpar import attention as attention_ops
 from jaxpar.attention.blockwise import F32, State, block_backward, block_forward, finish, init_state, loop
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, ContextConfig
 from jaxpar.sharding import Plan, vary_together
 
 AXIS = "context"
@@ -96,17 +96,14 @@ class ContextParallel:
             return None
         return functools.partial(ring_attention if self.strategy == "ring" else ulysses_attention, self)
 
-    def positions(self, local_seq: int, device=None) -> jax.Array:
-        device = jax.lax.axis_index(AXIS) if device is None else device
-        return device_positions(self.layout, self.size, local_seq * self.size, device)
-
 
 def make_context(plan: Plan, cfg: Any, manual: frozenset[str]) -> ContextParallel:
-    """The strategy of `cfg` (config.ContextConfig) when the shard_map is manual over a
-    `context` axis of size > 1, else the identity."""
+    """The strategy of `cfg` (config.ContextConfig; None: its defaults) when the shard_map is
+    manual over a `context` axis of size > 1, else the identity."""
     size = plan.mesh.shape.get(AXIS, 1)
-    if size == 1 or AXIS not in manual or cfg is None:
+    if size == 1 or AXIS not in manual:
         return ContextParallel()
+    cfg = cfg or ContextConfig()
     return ContextParallel(size, cfg.strategy, cfg.layout)
 
 
