@@ -17,7 +17,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar.attention import xla_attention
 from jaxpar.config import ConfigError
 from jaxpar.metrics.hlo import collective_bytes
-from jaxpar.parallel.context import ContextParallel, gathered_order, ring_bytes
+from jaxpar.parallel.context import (ContextParallel, gathered_order, global_to_zigzag, ring_bytes,
+                                     zigzag_to_global)
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.grad_util import run_steps
@@ -76,6 +77,12 @@ def test_attention_forward_and_grads_equal_xla(strategy, size, layout, segments,
     got = sharded(ContextParallel(size, strategy, layout), devices, heads, kv_heads, segments)
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference(heads, kv_heads, segments)):
         assert_close(g, r, what=f"{strategy} C={size} {layout} {name}")
+
+
+def test_zigzag_reorder_is_the_gathered_order():
+    x = jnp.asarray(gathered_order("zigzag", 4, 32))[None]
+    np.testing.assert_array_equal(zigzag_to_global(x, 4)[0], np.arange(32))
+    np.testing.assert_array_equal(global_to_zigzag(jnp.arange(32)[None], 4), x)
 
 
 def test_ring_tile_larger_than_a_run(devices):

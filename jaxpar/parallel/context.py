@@ -156,23 +156,35 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
 # ---------------------------------------------------------------- all_to_all (Ulysses)
 
 
+def zigzag_to_global(x: jax.Array, size: int) -> jax.Array:
+    """[b, seq, ...] in gathered zigzag order (device d: chunks d, 2C-1-d) -> global order; a
+    reshape, a flip and a concatenation (no gather, whose transpose is a scatter)."""
+    b, seq = x.shape[:2]
+    y = x.reshape(b, size, 2, seq // (2 * size), *x.shape[2:])
+    return jnp.concatenate([y[:, :, 0], jnp.flip(y[:, :, 1], 1)], axis=1).reshape(x.shape)
+
+
+def global_to_zigzag(x: jax.Array, size: int) -> jax.Array:
+    """The inverse of zigzag_to_global."""
+    b, seq = x.shape[:2]
+    y = x.reshape(b, 2 * size, seq // (2 * size), *x.shape[2:])
+    return jnp.stack([y[:, :size], jnp.flip(y[:, size:], 1)], axis=2).reshape(x.shape)
+
+
 def ulysses_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation, block, threshold):
     """Sequence-split [b, s/C, h, d] -> head-split [b, s, h/C, d], attention, and back."""
     to_heads = lambda x: jax.lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
-    seq = q.shape[1]
     if segment_ids is not None:
         segment_ids = jax.lax.all_gather(segment_ids, AXIS, axis=1, tiled=True)
-    order = gathered_order(cp.layout, cp.size, seq)
-    natural = not np.array_equal(order, np.arange(seq))
-    if natural:  # global order, so the implementation's causal mask holds
-        inv = np.argsort(order)
-        q, k, v = (jnp.take(x, inv, axis=1) for x in (q, k, v))
-        segment_ids = None if segment_ids is None else jnp.take(segment_ids, inv, axis=1)
+    zigzag = cp.layout == "zigzag"
+    if zigzag:  # global order, so the implementation's causal mask holds
+        q, k, v = (zigzag_to_global(x, cp.size) for x in (q, k, v))
+        segment_ids = None if segment_ids is None else zigzag_to_global(segment_ids, cp.size)
     o = attention_ops.attention(q, k, v, segment_ids, implementation=implementation, block=block,
                                 threshold=threshold)
-    if natural:
-        o = jnp.take(o, order, axis=1)
+    if zigzag:
+        o = global_to_zigzag(o, cp.size)
     return jax.lax.all_to_all(o, AXIS, split_axis=1, concat_axis=2, tiled=True)
 
 
