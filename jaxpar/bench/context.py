@@ -67,6 +67,8 @@ def measure(cfg: Config, strategy: str, seq: int, log: Callable[[str], None], ti
     if strategy == "ring":
         itemsize = np.dtype(DTYPES[c.train.compute_dtype]).itemsize
         row["analytic_ring_bytes"] = sum(ring_bytes(c, seq, 1, itemsize).values())
+    log(f"context: {strategy} seq {seq}: temp {fmt_bytes(row['temp_bytes'])}, state "
+        f"{fmt_bytes(row['state_bytes'])}, collectives {comm}")
     host = (row["temp_bytes"] or 0) * jax.device_count()
     if timed and seq <= TIME_MAX_SEQ and host <= TIME_HOST_BYTES:
         state, times = trainer.init_state(), []
