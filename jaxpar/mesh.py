@@ -46,10 +46,10 @@ def _dcn_sizes(cfg: MeshConfig, sizes: dict[str, int], n_granules: int) -> dict[
         # Default: span hosts with the data-parallel axes, which talk least.
         left = n_granules
         for a in ("data", "fsdp", "pipeline", "expert", "context", "tensor"):
-            g = math.gcd(left, sizes[a])
+            g = math.gcd(left, sizes.get(a, 1))
             dcn[a], left = g, left // g
     for a in MESH_AXES:
-        if sizes[a] % dcn[a]:
+        if sizes.get(a, 1) % dcn[a]:
             raise ConfigError(
                 f"mesh.dcn.{a}={dcn[a]} does not divide mesh.{a}={sizes[a]}"
             )
