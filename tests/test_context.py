@@ -110,6 +110,8 @@ LAYOUTS = {
                                    "context.strategy=all_to_all"],
     "fsdp2-context4-zero3-ring-contiguous": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=4",
                                              "sharding.zero_stage=3", "context.layout=contiguous"],
+    "data2-context4-remat-full-loss-chunk": ["mesh.data=2", "mesh.context=4", "train.remat=full",
+                                            "train.loss_chunk=4"],
     "fsdp2-context4-zero3-a2a": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=4", "sharding.zero_stage=3",
                                  "context.strategy=all_to_all", "model.attention=blockwise",
                                  "model.attention_block=8"],
