@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jaxpar.registry import COMPRESSORS, PRESETS
 
-MESH_AXES = ("data", "fsdp", "pipeline", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "pipeline", "context", "tensor", "expert")
 # model.attention (jaxpar/attention: one module per implementation; auto picks one per run)
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blockwise", "cudnn")
 
@@ -154,6 +154,7 @@ class MeshConfig(Strict):
     data: int = -1
     fsdp: int = 1
     pipeline: int = 1
+    context: int = 1
     tensor: int = 1
     expert: int = 1
     dcn: dict[str, int] = Field(default_factory=dict)
@@ -161,7 +162,7 @@ class MeshConfig(Strict):
     # it finds, before anything is built; the resolved config has the chosen sizes.
     auto: bool = False
 
-    @field_validator("data", "fsdp", "pipeline", "tensor", "expert")
+    @field_validator("data", "fsdp", "pipeline", "context", "tensor", "expert")
     @classmethod
     def _size(cls, v: int) -> int:
         if v == 0 or v < -1:
@@ -192,7 +193,7 @@ class MeshConfig(Strict):
 DEFAULT_RULES: dict[str, list[str]] = {
     # activations and data
     "batch": ["data", "fsdp", "expert"],
-    "seq": [],
+    "seq": ["context"],  # context parallelism: each device holds its part of every sequence
     "residual_seq": [],  # 'tensor' when sharding.sequence_parallel is on
     # parameters (and the activations that carry the same dims)
     "embed": ["fsdp"],
@@ -410,6 +411,19 @@ class PipelineConfig(Strict):
                 f"pipeline.microbatches={self.microbatches} and train.grad_accum={grad_accum} differ; "
                 f"with a pipeline the microbatches are the accumulation steps: set only one of them")
         return self.microbatches
+
+
+class ContextConfig(Strict):
+    """Context parallelism over `mesh.context` (jaxpar/parallel/context.py; only used when
+    mesh.context > 1): each device holds 1/context of every sequence. `strategy`: `ring` keeps
+    each device's queries and passes key/value chunks around the ring (ppermute), one
+    online-softmax step per arriving chunk; `all_to_all` (Ulysses) trades the sequence split for
+    a head split around attention (n_heads and n_kv_heads must divide by mesh.context).
+    `layout`: `zigzag` gives device i chunks i and 2C-1-i of 2C (balanced causal work;
+    train.seq_len divisible by 2 x mesh.context), `contiguous` chunk i of C."""
+
+    strategy: Literal["ring", "all_to_all"] = "ring"
+    layout: Literal["zigzag", "contiguous"] = "zigzag"
 
 
 class DataConfig(Strict):
@@ -650,6 +664,7 @@ class Config(Strict):
     local_sgd: LocalSGDConfig = Field(default_factory=LocalSGDConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    context: ContextConfig = Field(default_factory=ContextConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -1,8 +1,8 @@
-"""The one device mesh: named axes data, fsdp, pipeline, tensor, expert.
+"""The one device mesh: named axes data, fsdp, pipeline, context, tensor, expert.
 
 Each axis size splits into an in-host part (fast links: NVLink, ICI) and an across-hosts part
 (`mesh.dcn`, slow links). jax's mesh utilities order devices so that the chatty axes (tensor,
-expert, fsdp) stay inside a host and the data axis spans hosts.
+expert, context, fsdp) stay inside a host and the data axis spans hosts.
 """
 from __future__ import annotations
 
@@ -45,11 +45,11 @@ def _dcn_sizes(cfg: MeshConfig, sizes: dict[str, int], n_granules: int) -> dict[
     if not cfg.dcn and n_granules > 1:
         # Default: span hosts with the data-parallel axes, which talk least.
         left = n_granules
-        for a in ("data", "fsdp", "pipeline", "expert", "tensor"):
-            g = math.gcd(left, sizes[a])
+        for a in ("data", "fsdp", "pipeline", "expert", "context", "tensor"):
+            g = math.gcd(left, sizes.get(a, 1))
             dcn[a], left = g, left // g
     for a in MESH_AXES:
-        if sizes[a] % dcn[a]:
+        if sizes.get(a, 1) % dcn[a]:
             raise ConfigError(
                 f"mesh.dcn.{a}={dcn[a]} does not divide mesh.{a}={sizes[a]}"
             )

@@ -104,6 +104,8 @@ def test_segments_change_the_answer():
 
 
 def _scan_lengths(fn, *args) -> list[int]:
+    """The trip counts of the loops in fn's jaxpr: scans, and blockwise.loop's while loops (whose
+    condition is `counter < n` with n a literal)."""
     jaxpr = jax.make_jaxpr(fn)(*args)
     out = []
 
@@ -111,6 +113,9 @@ def _scan_lengths(fn, *args) -> list[int]:
         for e in jp.eqns:
             if e.primitive.name == "scan":
                 out.append(e.params["length"])
+            if e.primitive.name == "while":
+                (lt,) = [c for c in e.params["cond_jaxpr"].jaxpr.eqns if c.primitive.name == "lt"]
+                out.append(int(lt.invars[1].val))
             for p in e.params.values():
                 for sub in (p if isinstance(p, (list, tuple)) else [p]):
                     if hasattr(sub, "jaxpr"):
@@ -123,7 +128,7 @@ def _scan_lengths(fn, *args) -> list[int]:
 
 def test_causal_tiles_above_the_diagonal_are_never_computed():
     """seq 48 in blocks of 8: 6 x 6 tiles, 21 of them on or below the diagonal; the forward and
-    the backward each scan exactly those (one tile's scores per step)."""
+    the backward each loop over exactly those (one tile's scores per step)."""
     q, k, v, do = inputs(4, 2)
     pairs = bw.visible_pairs(6, 6, 8, 8, 0, 0, causal=True)
     assert len(pairs) == 21 and all(j <= i for i, j in pairs)

@@ -41,8 +41,8 @@ def test_dcn_default_spans_hosts_with_data_axis():
 
 def test_mesh_axis_order_and_types(devices):
     mesh = build_mesh(make_config({}, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]).mesh, devices)
-    assert mesh.axis_names == ("data", "fsdp", "pipeline", "tensor", "expert")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "pipeline": 1, "tensor": 2, "expert": 1}
+    assert mesh.axis_names == ("data", "fsdp", "pipeline", "context", "tensor", "expert")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "pipeline": 1, "context": 1, "tensor": 2, "expert": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert sorted(d.id for d in mesh.devices.flat) == list(range(8))
 

@@ -2,7 +2,7 @@
 
 Scores exist one [block, block] tile at a time. The forward keeps a running max, sum and output
 per query row (online softmax); the custom VJP recomputes each tile's probabilities from the
-saved log-sum-exp instead of storing them. One `lax.scan` visits only the (query block, key
+saved log-sum-exp instead of storing them. One while loop visits only the (query block, key
 block) pairs some query may see: under the causal mask the tiles above the diagonal are not in
 its list, so they are never computed.
 
@@ -126,22 +126,27 @@ class Tiling(NamedTuple):
         return visible_pairs(self.nq, self.nk, self.bq, self.bk, self.q_offset, self.kv_offset, self.causal)
 
 
+def loop(xs, body, carry):
+    """carry = body(carry, x) for each row x of the constant table `xs`, as a while loop. A
+    scan here would be split by JAX's partial evaluation inside a differentiated layer scan: the
+    parts that depend only on constants (every tile's causal mask, in ring attention the
+    probabilities too) hoisted out and stacked over all iterations, [tiles, block, block] bytes
+    (528 MiB at 8K tokens). A while loop is never split."""
+    xs = jnp.asarray(xs)
+
+    def step(c):
+        i, inner = c
+        return i + 1, body(inner, jax.lax.dynamic_index_in_dim(xs, i, keepdims=False))
+
+    return jax.lax.while_loop(lambda c: c[0] < xs.shape[0], step, (jnp.int32(0), carry))[1]
+
+
 def _at(x, i):
     return None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
 
 
 def _add_at(acc, x, i):
     return jax.lax.dynamic_update_index_in_dim(acc, _at(acc, i) + x, i, 0)
-
-
-def _tied(q, *masking):
-    """q and what a tile's mask is made of (positions, segment ids), tied by an optimization
-    barrier: the mask then depends on the tile's data. Left to depend on constants alone (the
-    pair table, the positions) and on segment ids that are the same in every layer, it is
-    invariant in an enclosing loop, and JAX's scan partial evaluation hoists it out of the layer
-    scan as a residual stacked over every (query, key) pair: pred [pairs, b, bq, heads, bk], a
-    seq^2 buffer (144 GiB per device at 256K tokens) where the tiles were meant to keep O(seq)."""
-    return jax.lax.optimization_barrier((q, *masking))
 
 
 def _forward_blocks(t: Tiling, qb, kb, vb, qs, ks):
@@ -154,13 +159,11 @@ def _forward_blocks(t: Tiling, qb, kb, vb, qs, ks):
     def body(carry, ij):
         i, j = ij[0], ij[1]
         st = State(*(_at(c, i) for c in carry))
-        q, qp, kp, q_seg, k_seg = _tied(_at(qb, i), q_pos[i], k_pos[j], _at(qs, i), _at(ks, j))
-        st = block_forward(st, q, _at(kb, j), _at(vb, j), qp, kp, q_seg, k_seg, causal=t.causal,
-                           scale=t.scale)
-        return State(*(jax.lax.dynamic_update_index_in_dim(c, x, i, 0) for c, x in zip(carry, st))), None
+        st = block_forward(st, _at(qb, i), _at(kb, j), _at(vb, j), q_pos[i], k_pos[j], _at(qs, i), _at(ks, j),
+                           causal=t.causal, scale=t.scale)
+        return State(*(jax.lax.dynamic_update_index_in_dim(c, x, i, 0) for c, x in zip(carry, st)))
 
-    state, _ = jax.lax.scan(body, state, jnp.asarray(pairs))
-    return finish(state, qb.dtype)
+    return finish(loop(pairs, body, state), qb.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -186,9 +189,9 @@ def _attend_bwd(t, res, do):
         gq, gk, gv = block_backward(_at(qb, i), _at(kb, j), _at(vb, j), _at(do, i), _at(lse, i),
                                     _at(delta, i), q_pos[i], k_pos[j], _at(qs, i), _at(ks, j),
                                     causal=t.causal, scale=t.scale)
-        return (_add_at(dq, gq, i), _add_at(dk, gk, j), _add_at(dv, gv, j)), None
+        return _add_at(dq, gq, i), _add_at(dk, gk, j), _add_at(dv, gv, j)
 
-    (dq, dk, dv), _ = jax.lax.scan(body, grads, jnp.asarray(t.pairs()))
+    dq, dk, dv = loop(t.pairs(), body, grads)
     return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None, None
 
 

@@ -11,6 +11,8 @@
   attention  temp memory per device and time of xla vs blockwise attention at 2K / 8K tokens
   planner   predicted vs measured step time over 11 layouts (Spearman), time to plan 70B on 1024 GPUs
   packing   data.packing on the stdlib tokenized by a BPE: padding per seq_len, packed step's cost
+  context   xla / blockwise (a sequence per device) vs ring / all_to_all (a sequence over mesh.context):
+            temp memory, collective bytes vs the analytic ring volume, step time, longest fitting seq
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
 benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
@@ -41,6 +43,7 @@ BENCHMARKS: dict[str, str] = {
     "attention": "jaxpar.bench.attention",
     "planner": "jaxpar.bench.planner",
     "packing": "jaxpar.bench.packing",
+    "context": "jaxpar.bench.context",
 }
 
 

@@ -22,7 +22,7 @@ def default_config_path() -> Path:
 
 def mesh_overrides(**sizes: int) -> list[str]:
     """Overrides that set every mesh axis: the ones given, the rest 1."""
-    axes = {"data": 1, "fsdp": 1, "pipeline": 1, "tensor": 1, "expert": 1, **sizes}
+    axes = {"data": 1, "fsdp": 1, "pipeline": 1, "context": 1, "tensor": 1, "expert": 1, **sizes}
     return [f"mesh.{a}={n}" for a, n in axes.items()]
 
 

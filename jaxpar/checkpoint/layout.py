@@ -29,13 +29,13 @@ def layout_meta(cfg: Config, mesh) -> dict:
 
 
 def fit_mesh(cfg: Config, n_devices: int) -> dict[str, int]:
-    """Axis sizes for `n_devices` close to `cfg.mesh`: keep pipeline and tensor where they divide
+    """Axis sizes for `n_devices` close to `cfg.mesh`: keep pipeline, context and tensor where they divide
     the device count (else their largest divisor that does), then fsdp and expert likewise; data
     takes the rest."""
     sizes = {a: max(getattr(cfg.mesh, a), 1) for a in MESH_AXES}
     left = n_devices
     out = {}
-    for a in ("pipeline", "tensor", "expert", "fsdp"):
+    for a in ("pipeline", "context", "tensor", "expert", "fsdp"):
         out[a] = math.gcd(sizes[a], left)
         left //= out[a]
     out["data"] = left

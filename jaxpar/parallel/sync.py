@@ -27,9 +27,11 @@ is_spec = lambda x: isinstance(x, P)
 
 
 def step_manual_axes(plan: Plan) -> frozenset[str]:
-    """The axes the step's shard_map is manual over: the batch axes, and `pipeline` when staged."""
-    staged = {"pipeline"} if plan.mesh.shape.get("pipeline", 1) > 1 else set()
-    return frozenset(plan.batch_axes) | staged
+    """The axes the step's shard_map is manual over: the batch axes, `pipeline` when staged and
+    `context` when sequences are split (jaxpar/parallel/context.py): each device's gradient is
+    then a partial sum that the reductions add up over `context` like over a batch axis."""
+    extra = {a for a in ("pipeline", "context") if plan.mesh.shape.get(a, 1) > 1}
+    return frozenset(plan.batch_axes) | extra
 
 
 class GradientSync:

@@ -41,8 +41,9 @@ class ScanMicrobatches:
 
     def __call__(self, params, mbs, loss):
         def mb_loss(params, mb):
-            logits, sown = self.forward(params, mb)
-            return loss(logits, mb, sown)
+            rows = self.forward.context.split(mb)  # this device's part of each sequence
+            logits, sown = self.forward(params, rows)
+            return loss(logits, rows, sown)
 
         specs = self.sync.grad_out
 
@@ -64,5 +65,5 @@ def make_accumulation(model, plan: Plan, forward: Forward, sync: GradientSync, *
     if plan.mesh.shape.get("pipeline", 1) > 1:
         return make_step_pipeline(model, plan, pipeline_cfg, grad_accum, forward.ctx, forward.prepare_top,
                                   sync.microbatch, sync.grad_out)
-    varying = tuple(a for a in plan.batch_axes if plan.mesh.shape[a] > 1)
+    varying = tuple(sorted(a for a in sync.manual if plan.mesh.shape[a] > 1))
     return ScanMicrobatches(forward, sync, grad_accum, grad_dtype(grad_accum, sync.wire_dtype), varying)

@@ -36,17 +36,33 @@ class Batch(NamedTuple):
     def targets(self) -> jax.Array:
         return self.tokens[:, 1:]
 
-    def apply(self, model):
-        """model(inputs), with segment_ids / positions when the batch has them (a model that takes
-        neither still runs unpacked batches)."""
-        kw = {k: getattr(self, k) for k in ("segment_ids", "positions") if getattr(self, k) is not None}
-        return model(self.inputs, **kw)
+    def rows(self) -> "Rows":
+        """The model's and the loss's view: inputs and targets [b, seq] (the whole sequences)."""
+        return Rows(self.inputs, self.targets, self.segment_ids, self.positions, self.weights)
 
     def token_count(self) -> jax.Array | int:
         """The targets that count in these rows: a static int unless the batch has weights."""
         if self.weights is None:
             return self.inputs.shape[0] * self.inputs.shape[1]
         return self.weights.sum()
+
+
+class Rows(NamedTuple):
+    """What one device runs of a microbatch: inputs and targets [b, s] and the optional
+    per-input fields (Batch's). With context parallelism s is this device's part of each
+    sequence and `positions` are its tokens' global (or per-document) positions."""
+
+    inputs: jax.Array
+    targets: jax.Array
+    segment_ids: jax.Array | None = None
+    positions: jax.Array | None = None
+    weights: jax.Array | None = None
+
+    def apply(self, model):
+        """model(inputs), with segment_ids / positions when given (a model that takes neither
+        still runs unpacked, unsplit rows)."""
+        kw = {k: getattr(self, k) for k in ("segment_ids", "positions") if getattr(self, k) is not None}
+        return model(self.inputs, **kw)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, 
     as_batch = documents or Batch
 
     def local_loss(params, batch):
-        logits, _ = forward(params, batch)
+        logits, _ = forward(params, batch.rows())  # whole sequences: eval does not split them
         total = token_loss_sum(loss_sum_fn, logits, batch.targets, batch.weights)
         out = (total, jnp.asarray(batch.token_count(), jnp.float32))
         return jax.lax.psum(out, busy) if busy else out

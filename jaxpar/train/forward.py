@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from flax import nnx
 
 from jaxpar import nn
+from jaxpar.parallel.context import ContextParallel, make_context
 from jaxpar.parallel.data import GATHERED, param_preparer
 from jaxpar.parallel.expert import expert_hook
 from jaxpar.parallel.tensor import activation_constrainer
@@ -22,39 +23,45 @@ from jaxpar.train.model import ModelDef
 
 @dataclass(frozen=True)
 class Forward:
-    """forward(params, batch) -> (logits, sown) of a train.batch.Batch (its inputs, and its
-    segment ids / positions when packed); `ctx` and `prepare_top` are what the pipeline needs to
-    cut the same forward into stages."""
+    """forward(params, rows) -> (logits, sown) of a train.batch.Rows (this device's inputs, and
+    their segment ids / positions when given); `ctx` and `prepare_top` are what the pipeline
+    needs to cut the same forward into stages; `context.split(batch)` gives this device's Rows of
+    a train.batch.Batch microbatch (its part of each sequence under context parallelism)."""
 
     ctx: nn.Context
     prepare_top: Callable
     run: Callable
+    context: ContextParallel = ContextParallel()
 
-    def __call__(self, params, batch):
-        return self.run(params, batch)
+    def __call__(self, params, rows):
+        return self.run(params, rows)
 
 
 def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dtype, remat: str,
-                 grad_dtype=None, loss_chunk: int | None = None) -> Forward:
+                 grad_dtype=None, loss_chunk: int | None = None, context: Any = None) -> Forward:
     """The forward of `model` inside a shard_map manual over `manual`, computing in
     `compute_dtype`; ZeRO-3's gradient reduce-scatters run in `grad_dtype`. With `loss_chunk`
-    (train.loss_chunk) the "logits" are a train.loss.DeferredLogits for the chunked loss."""
+    (train.loss_chunk) the "logits" are a train.loss.DeferredLogits for the chunked loss.
+    `context` (config.ContextConfig): how sequences split over a manual `context` axis."""
     prepare = param_preparer(plan, manual, compute_dtype, grad_dtype)
     head = (lambda x, w: DeferredLogits(x, w, loss_chunk)) if loss_chunk else None
+    cp = make_context(plan, context, manual)
     ctx = nn.Context(constrain=activation_constrainer(plan, manual), experts=expert_hook(plan, manual),
                      layer_params=lambda st: prepare(st, stacked=True), remat=remat,
-                     never_save=(GATHERED,) if plan.zero_stage >= 3 else (), head=head)
+                     never_save=(GATHERED,) if plan.zero_stage >= 3 else (), head=head,
+                     attention=cp.attention())
     stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
     prepare_top = lambda st: _prepare_top(st, prepare, stacked)
 
-    def forward(params, batch):
+    def forward(params, rows):
         state = prepare_top(model.state(params))
         with nn.use_context(ctx), nn.collect_aux() as sown:
-            logits = batch.apply(model.merge(state))
+            logits = rows.apply(model.merge(state))
         return logits, dict(sown)
 
     # ZeRO-3: embeddings and head are gathered again for the backward too
-    return Forward(ctx, prepare_top, never_save_ends(model, ctx, prepare_top) if ctx.never_save else forward)
+    run = never_save_ends(model, ctx, prepare_top) if ctx.never_save else forward
+    return Forward(ctx, prepare_top, run, cp)
 
 
 class _Stop(Exception):
@@ -64,7 +71,7 @@ class _Stop(Exception):
 
 
 def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> Callable:
-    """forward(params, batch) -> (logits, sown) for ZeRO-3. What the model runs before its
+    """forward(params, rows) -> (logits, sown) for ZeRO-3. What the model runs before its
     scan_layers call (the embedding) and after it (final norm, head) each run under a checkpoint
     that saves everything but the gathered weights (ctx.never_save), so the backward gathers them
     again; the layer scan runs between the two, outside any checkpoint, so that its per-layer
@@ -76,13 +83,13 @@ def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> 
     weights: dict = {}  # sown name -> loss weight (static, so kept out of the checkpoints)
     fired: list = []
 
-    def call(params, batch, hook, prep: bool):
+    def call(params, rows, hook, prep: bool):
         state = model.state(params)
         if prep:
             state = prepare_top(state)
         try:
             with nn.use_context(dataclasses.replace(ctx, layers_hook=hook)), nn.collect_aux() as sown:
-                out = batch.apply(model.merge(state))
+                out = rows.apply(model.merge(state))
         except _Stop as stop:
             out = stop.value
         weights.update((k, w) for k, (_, w) in sown.items())
@@ -92,24 +99,24 @@ def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> 
         fired.append(True)
         raise _Stop(carry)
 
-    def pre(params, batch):
-        return call(params, batch, stop, True)
+    def pre(params, rows):
+        return call(params, rows, stop, True)
 
-    def layers(params, x, batch):
+    def layers(params, x, rows):
         def scan(stack, carry, fn):
             raise _Stop(nn.scan_stack(stack, x, fn))
-        return call(params, batch, scan, False)[0]
+        return call(params, rows, scan, False)[0]
 
-    def post(params, y, batch):
-        return call(params, batch, lambda stack, carry, fn: y, True)
+    def post(params, y, rows):
+        return call(params, rows, lambda stack, carry, fn: y, True)
 
-    def forward(params, batch):
+    def forward(params, rows):
         fired.clear()
-        x, sown_pre = jax.checkpoint(pre, policy=policy)(params, batch)
+        x, sown_pre = jax.checkpoint(pre, policy=policy)(params, rows)
         if not fired:  # no layer scan: `pre` ran the whole model
             return x, {k: (v, weights[k]) for k, v in sown_pre.items()}
-        y = layers(params, x, batch)
-        logits, sown_post = jax.checkpoint(post, policy=policy)(params, y, batch)
+        y = layers(params, x, rows)
+        logits, sown_post = jax.checkpoint(post, policy=policy)(params, y, rows)
         # `post` runs the prologue again (dead code but for the gathers the head shares): what
         # the prologue sowed is taken from `pre`
         return logits, {k: (v, weights[k]) for k, v in {**sown_post, **sown_pre}.items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jaxpar.attention import check as check_attention
 from jaxpar.config import Config, ConfigError
+from jaxpar.parallel.context import check_layout as check_context
 from jaxpar.parallel.expert import check_layout as check_experts
 from jaxpar.parallel.pipeline import check_pipeline_layout
 from jaxpar.sharding import Plan
@@ -24,6 +25,7 @@ def check_layout(cfg: Config, plan: Plan, check_model: bool = True, platform: st
     if check_model:
         check_experts(m, shape)
         check_attention(m.attention, platform or plan.mesh.devices.flat[0].platform, t.compute_dtype)
+    check_context(cfg, shape, check_model)
     if shape.get("pipeline", 1) > 1:
         check_pipeline_layout(cfg, plan, check_model)
     dp = plan.batch_size_divisor

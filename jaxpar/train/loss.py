@@ -58,12 +58,14 @@ def token_loss_sum(sum_fn: Callable, logits, targets: jax.Array,
 
 @dataclass(frozen=True)
 class MicrobatchLoss:
-    """loss(logits, batch, sown) -> (value to differentiate, (token loss, sown metrics)) for one
-    microbatch (a train.batch.Batch) on one device. The token NLL is divided by `n_tokens`, the
-    targets that count in the whole batch one gradient is the mean over (static: this device's
-    batch times `devices`; with packed documents a traced global count of the weighted targets),
-    and the sown values by the microbatch's share of it: summed over microbatches and devices,
-    both are global means."""
+    """loss(logits, rows, sown) -> (value to differentiate, (token loss, sown metrics)) for one
+    microbatch on one device (a train.batch.Rows: targets and their weights). The token NLL is
+    divided by `n_tokens`, the targets that count in the whole batch one gradient is the mean
+    over (static: this device's batch times `devices`; with packed documents a traced global
+    count of the weighted targets), and the sown values by the microbatch's share of it: summed
+    over microbatches and devices, both are global means. With `sequence_shards` (context
+    parallelism) a device holds that fraction of each sequence: its partial token sum still
+    divides by the global count, its sown means count 1/shards."""
 
     sum_fn: Callable[..., jax.Array]
     n_tokens: int | jax.Array
@@ -71,13 +73,14 @@ class MicrobatchLoss:
 
     @classmethod
     def for_batch(cls, sum_fn, local_tokens_shape: tuple[int, int], devices: int, microbatches: int,
-                  n_tokens: jax.Array | None = None):
-        """`local_tokens_shape`: this device's [batch, seq + 1] (all its microbatches);
-        `n_tokens`: the counted targets when they are not all of them (packed documents)."""
+                  n_tokens: jax.Array | None = None, sequence_shards: int = 1):
+        """`local_tokens_shape`: this device's [batch, seq + 1] (all its microbatches, whole
+        sequences); `n_tokens`: the counted targets when they are not all of them (packed
+        documents)."""
         batch, seq1 = local_tokens_shape
         n = batch * (seq1 - 1) * devices if n_tokens is None else n_tokens
-        return cls(sum_fn, n, 1.0 / (devices * microbatches))
+        return cls(sum_fn, n, 1.0 / (devices * microbatches * sequence_shards))
 
-    def __call__(self, logits: jax.Array, batch, sown: dict):
-        total = token_loss_sum(self.sum_fn, logits, batch.targets, batch.weights)
+    def __call__(self, logits: jax.Array, rows, sown: dict):
+        total = token_loss_sum(self.sum_fn, logits, rows.targets, rows.weights)
         return add_sown(total / self.n_tokens, sown, self.share)

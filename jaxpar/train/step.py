@@ -78,7 +78,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
                     compute_dtype: str, remat: str, lr_schedule: optax.Schedule | None = None,
                     loss_sum_fn: Callable = cross_entropy_sum, loss_chunk: int | None = None,
                     skip_nonfinite: bool = False, return_grads: bool = False,
-                    documents: Documents | None = None):
+                    documents: Documents | None = None, context: Any = None):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
     [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
     or gradient norm is not finite leaves the state unchanged but for the step counter and reports
@@ -90,10 +90,12 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     (train.loss_chunk): the loss forms the logits that many tokens at a time. `documents`
     (data.packing): the rows hold packed documents; their segment ids, positions and target
     weights are derived from the global batch before the shard_map (train/batch.py) and the loss
-    is the mean over the targets that count (a global count)."""
+    is the mean over the targets that count (a global count). `context`
+    (config.ContextConfig): how sequences split over mesh.context (parallel/context.py)."""
     sync = spec.sync
     manual, sizes = sync.manual, plan.mesh.shape
-    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], remat, sync.wire_dtype, loss_chunk)
+    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], remat, sync.wire_dtype, loss_chunk,
+                           context)
     accumulate = make_accumulation(model, plan, forward, sync, grad_accum=grad_accum, pipeline_cfg=pipeline)
     # sorted: `manual` is a frozenset, whose order changes with PYTHONHASHSEED, and the order of
     # the psum's axes changes the rounding of the loss between processes
@@ -112,7 +114,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             within = tuple(a for a in batch_busy if a not in sync.replica_axes)
             count = jax.lax.psum(batch.token_count(), within) if within else batch.token_count()
         loss = MicrobatchLoss.for_batch(loss_sum_fn, batch.tokens.shape, group, accumulate.microbatches,
-                                        count)
+                                        count, forward.context.size)
         mbs = jax.tree.map(lambda a: a.reshape(accumulate.microbatches, -1, *a.shape[1:]), batch)
         losses, grads, aux = accumulate(params, mbs, loss)
         grads, comm = sync.reduce(grads, comm, extra)

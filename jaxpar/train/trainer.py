@@ -106,7 +106,7 @@ class Trainer:
         kw = dict(grad_accum=cfg.train.grad_accum, pipeline=cfg.pipeline,
                   compute_dtype=cfg.train.compute_dtype, remat=cfg.train.remat,
                   lr_schedule=self.lr_schedule, skip_nonfinite=cfg.train.skip_nonfinite,
-                  loss_chunk=cfg.train.loss_chunk, documents=self.documents)
+                  loss_chunk=cfg.train.loss_chunk, documents=self.documents, context=cfg.context)
         return make_train_step(self.model, self.plan, self.tx, self.spec, **{**kw, **overrides})
 
     def make_evaluator(self) -> Evaluator:

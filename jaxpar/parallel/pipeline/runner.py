@@ -114,7 +114,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
                         manual: tuple[str, ...] = ()) -> Callable:
     """run(params, mbs, loss) -> (losses [1], local grads, sown [1]): the pipelined equivalent
     of summing jax.value_and_grad(loss) over the microbatches `mbs` (the step's batch: every
-    field [m, b, ...], tokens [m, b, seq+1]; `mb.apply(model)` runs the model on one), with
+    field [m, b, ...], tokens [m, b, seq+1]; `mb.rows().apply(model)` runs the model on one), with
     `loss` the step's train.loss.MicrobatchLoss (the same normalisation and sown weighting).
 
     `prepare_top(state)` casts/gathers the non-layer params, `scatter(grads, specs)` is the
@@ -156,7 +156,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
                 state = prepare_top(state)
             try:
                 with nn.use_context(dataclasses.replace(ctx, layers_hook=hook)):
-                    return mb.apply(model.merge(state))
+                    return mb.rows().apply(model.merge(state))
             except _Stop as stop:
                 return stop.value
 
@@ -176,7 +176,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         def post(top, lay_k, y, tok):
             with nn.collect_aux() as sown:
                 logits = call(top, lay_k, tok, lambda stack, carry, fn: y, True)
-            return loss_fn(logits, tok, sown)
+            return loss_fn(logits, tok.rows(), sown)
 
         def chunk(k):
             return {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))

@@ -1,0 +1,356 @@
+"""Context parallelism over the mesh axis `context`: each device holds 1/C of every sequence.
+
+The step's shard_map is manual over `context` (parallel/sync.step_manual_axes). The batch
+arrives whole on every context device; `ContextParallel.split` takes this device's tokens,
+targets and their global positions (RoPE and the causal mask need them), and the model's
+attention runs through the strategy's hook (nn.Context.attention):
+
+  ring        the device keeps its queries; key/value chunks travel around the ring by
+              ppermute, each arriving chunk folded into an online softmax with blockwise.py's
+              tile step, [block, block] tiles that the causal mask leaves empty skipped (a
+              cond: the positions are only known per device). The custom VJP sends dK/dV around
+              the ring with the chunks and recomputes the probabilities (no scores are saved).
+  all_to_all  (Ulysses) an all_to_all from sequence-split to head-split, the model's own
+              attention implementation over the whole sequence (reordered to global order), and
+              back.
+
+Layouts: `zigzag` (device i: chunks i and 2C-1-i of 2C, so every device has the same causal
+work) and `contiguous` (chunk i of C). Params are replicated over `context`; each device's
+gradient is a partial sum over its tokens, summed with the batch axes' by the gradient sync
+(context is one more manual axis it reduces over); the loss divides by the global token count.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar import attention as attention_ops
+from jaxpar.attention.blockwise import F32, State, block_backward, block_forward, finish, init_state, loop
+from jaxpar.config import ConfigError, ContextConfig
+from jaxpar.sharding import Plan, vary_together
+
+AXIS = "context"
+
+
+# ---------------------------------------------------------------- which tokens a device holds
+
+
+def chunk_starts(layout: str, size: int, seq: int, device) -> list:
+    """Start positions (global) of the runs of tokens `device` (an int or a traced index) holds,
+    each run `run_length(layout, size, seq)` long."""
+    if layout == "zigzag":
+        return [device * (seq // (2 * size)), (2 * size - 1 - device) * (seq // (2 * size))]
+    return [device * (seq // size)]
+
+
+def run_length(layout: str, size: int, seq: int) -> int:
+    return seq // (2 * size) if layout == "zigzag" else seq // size
+
+
+def device_positions(layout: str, size: int, seq: int, device) -> jax.Array:
+    """[seq / size] int32 global positions of `device`'s tokens, in its local order."""
+    n = run_length(layout, size, seq)
+    starts = chunk_starts(layout, size, seq, device)
+    return jnp.concatenate([s + jnp.arange(n, dtype=jnp.int32) for s in starts])
+
+
+def gathered_order(layout: str, size: int, seq: int) -> np.ndarray:
+    """The global positions of the devices' tokens concatenated in device order (what an
+    all_to_all or all_gather over `context` assembles): a permutation of 0..seq-1."""
+    n = run_length(layout, size, seq)
+    return np.concatenate([s + np.arange(n) for d in range(size) for s in chunk_starts(layout, size, seq, d)])
+
+
+# ---------------------------------------------------------------- the strategy object
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """What the step and forward ask of context parallelism; size 1 is the identity."""
+
+    size: int = 1
+    strategy: str = "ring"
+    layout: str = "zigzag"
+
+    def split(self, batch):
+        """This device's train.batch.Rows of a train.batch.Batch: every per-token field cut to the
+        layout's chunks, positions the tokens' global ones (or, packed with reset positions, the
+        batch's own, cut alike)."""
+        rows = batch.rows()
+        if self.size == 1:
+            return rows
+        seq = rows.inputs.shape[-1]
+        n = run_length(self.layout, self.size, seq)
+        starts = chunk_starts(self.layout, self.size, seq, jax.lax.axis_index(AXIS))
+        take = lambda x: None if x is None else jnp.concatenate(
+            [jax.lax.dynamic_slice_in_dim(x, s, n, axis=-1) for s in starts], -1)
+        pos = take(rows.positions)
+        if pos is None:
+            pos = device_positions(self.layout, self.size, seq, jax.lax.axis_index(AXIS))
+            pos = jnp.broadcast_to(pos, rows.inputs.shape[:-1] + pos.shape)
+        return type(rows)(take(rows.inputs), take(rows.targets), take(rows.segment_ids), pos,
+                          take(rows.weights))
+
+    def attention(self) -> Callable | None:
+        """The nn.Context.attention hook (None: attention on this device)."""
+        if self.size == 1:
+            return None
+        return functools.partial(ring_attention if self.strategy == "ring" else ulysses_attention, self)
+
+
+def make_context(plan: Plan, cfg: Any, manual: frozenset[str]) -> ContextParallel:
+    """The strategy of `cfg` (config.ContextConfig; None: its defaults) when the shard_map is
+    manual over a `context` axis of size > 1, else the identity."""
+    size = plan.mesh.shape.get(AXIS, 1)
+    if size == 1 or AXIS not in manual:
+        return ContextParallel()
+    cfg = cfg or ContextConfig()
+    return ContextParallel(size, cfg.strategy, cfg.layout)
+
+
+def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> None:
+    """Config mistakes of a context-parallel run, one clear ConfigError each (before compiling)."""
+    c = mesh_shape.get(AXIS, 1)
+    if c == 1:
+        return
+    ctx, t, m = cfg.context, cfg.train, cfg.model
+    need = 2 * c if ctx.layout == "zigzag" else c
+    if t.seq_len % need:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} must be divisible by {need} ({'2 x ' if need != c else ''}"
+            f"mesh.context={c}, context.layout={ctx.layout}): each device holds "
+            f"{'two chunks of seq_len / (2 x context)' if need != c else 'seq_len / context'} tokens; "
+            f"use a multiple of {need} (e.g. {(t.seq_len // need + 1) * need})")
+    if t.loss_chunk is not None and (t.seq_len // c) % t.loss_chunk:
+        raise ConfigError(
+            f"train.loss_chunk={t.loss_chunk} must divide the {t.seq_len // c} tokens each context "
+            f"device holds (train.seq_len={t.seq_len} / mesh.context={c}); use a divisor of it")
+    if mesh_shape.get("pipeline", 1) > 1:
+        raise ConfigError(
+            f"mesh.context={c} does not compose with mesh.pipeline={mesh_shape['pipeline']} yet: the "
+            f"pipeline runner feeds each stage whole microbatches (no sequence split, no global "
+            f"positions); use mesh.pipeline=1 or mesh.context=1")
+    plain = cfg.gradient_compression.method == "none" and cfg.optimizer.name == "adamw"
+    if not plain or cfg.local_sgd.sync_every > 1:
+        raise ConfigError(
+            f"mesh.context={c} needs the plain gradient all-reduce: gradient_compression.method="
+            f"{cfg.gradient_compression.method!r}, optimizer.name={cfg.optimizer.name!r}, "
+            f"local_sgd.sync_every={cfg.local_sgd.sync_every} reduce over the batch axes only, not over "
+            f"context; use method none, adamw and sync_every 1")
+    if check_model and m.moe.num_experts:
+        raise ConfigError(
+            f"mesh.context={c} with a mixture-of-experts model (model.moe.num_experts="
+            f"{m.moe.num_experts}) is not supported: expert capacity and the router losses are "
+            f"statistics of whole sequences, which no device holds; use mesh.context=1")
+    if ctx.strategy == "all_to_all" and check_model:
+        tensor = mesh_shape.get("tensor", 1)
+        for fld in ("n_heads", "n_kv_heads"):
+            n = getattr(m, fld)
+            if n % (c * tensor):
+                raise ConfigError(
+                    f"context.strategy=all_to_all splits the heads over mesh.context={c}"
+                    f"{f' x mesh.tensor={tensor}' if tensor > 1 else ''}, but model.{fld}={n} is not "
+                    f"divisible by {c * tensor}; use context.strategy=ring or a mesh.context that "
+                    f"divides {n}")
+
+
+# ---------------------------------------------------------------- all_to_all (Ulysses)
+
+
+def zigzag_to_global(x: jax.Array, size: int) -> jax.Array:
+    """[b, seq, ...] in gathered zigzag order (device d: chunks d, 2C-1-d) -> global order; a
+    reshape, a flip and a concatenation (no gather, whose transpose is a scatter)."""
+    b, seq = x.shape[:2]
+    y = x.reshape(b, size, 2, seq // (2 * size), *x.shape[2:])
+    return jnp.concatenate([y[:, :, 0], jnp.flip(y[:, :, 1], 1)], axis=1).reshape(x.shape)
+
+
+def global_to_zigzag(x: jax.Array, size: int) -> jax.Array:
+    """The inverse of zigzag_to_global."""
+    b, seq = x.shape[:2]
+    y = x.reshape(b, 2 * size, seq // (2 * size), *x.shape[2:])
+    return jnp.stack([y[:, :size], jnp.flip(y[:, size:], 1)], axis=2).reshape(x.shape)
+
+
+def ulysses_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation, block, threshold):
+    """Sequence-split [b, s/C, h, d] -> head-split [b, s, h/C, d], attention, and back."""
+    to_heads = lambda x: jax.lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)
+    q, k, v = to_heads(q), to_heads(k), to_heads(v)
+    if segment_ids is not None:
+        segment_ids = jax.lax.all_gather(segment_ids, AXIS, axis=1, tiled=True)
+    zigzag = cp.layout == "zigzag"
+    if zigzag:  # global order, so the implementation's causal mask holds
+        q, k, v = (zigzag_to_global(x, cp.size) for x in (q, k, v))
+        segment_ids = None if segment_ids is None else zigzag_to_global(segment_ids, cp.size)
+    o = attention_ops.attention(q, k, v, segment_ids, implementation=implementation, block=block,
+                                threshold=threshold)
+    if zigzag:
+        o = global_to_zigzag(o, cp.size)
+    return jax.lax.all_to_all(o, AXIS, split_axis=1, concat_axis=2, tiled=True)
+
+
+# ---------------------------------------------------------------- ring
+
+
+class Ring(NamedTuple):
+    """Static shape of a ring call: ring size, layout, tiles (bq queries, bk keys), scale."""
+    size: int
+    layout: str
+    bq: int
+    bk: int
+    scale: float
+
+    def perm(self):
+        return [(i, (i + 1) % self.size) for i in range(self.size)]
+
+    def key_positions(self, step, local: int):
+        """[nk, bk] global positions of the chunk a device holds after `step` ring steps (its
+        owner is `step` devices before it)."""
+        owner = (jax.lax.axis_index(AXIS) - step) % self.size
+        return device_positions(self.layout, self.size, local * self.size, owner).reshape(-1, self.bk)
+
+
+def _tile(n: int, block: int) -> int:
+    """The largest tile <= block that divides n."""
+    return max(t for t in range(1, min(n, block) + 1) if n % t == 0)
+
+
+def _blocked(x, size: int):
+    """[b, s, ...] -> [s / size, b, size, ...]."""
+    return None if x is None else jnp.moveaxis(x.reshape(x.shape[0], -1, size, *x.shape[2:]), 1, 0)
+
+
+def _unblocked(x):
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+def _at(x, i):
+    return None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _pairs(nq: int, nk: int) -> np.ndarray:
+    i, j = np.meshgrid(np.arange(nq), np.arange(nk), indexing="ij")
+    return np.stack([i.ravel(), j.ravel()], 1).astype(np.int32)
+
+
+def _visible(qp, kp):
+    """Whether a tile holds a visible pair: its first key is at or before its last query."""
+    return kp.min() <= qp.max()
+
+
+def _chunk_forward(r: Ring, state: State, qb, kb, vb, qp, kp, qs, ks) -> State:
+    """The online-softmax state after one key/value chunk, tile by tile (empty tiles skipped)."""
+    def body(carry, ij):
+        i, j = ij[0], ij[1]
+        st = State(*(_at(c, i) for c in carry))
+        visit = lambda st: block_forward(st, _at(qb, i), _at(kb, j), _at(vb, j), qp[i], kp[j], _at(qs, i),
+                                         _at(ks, j), causal=True, scale=r.scale)
+        st = jax.lax.cond(_visible(qp[i], kp[j]), visit, lambda st: st, st)
+        return State(*(jax.lax.dynamic_update_index_in_dim(c, x, i, 0) for c, x in zip(carry, st)))
+
+    return loop(_pairs(qb.shape[0], kb.shape[0]), body, state)
+
+
+def _chunk_backward(r: Ring, grads, qb, kb, vb, do, lse, delta, qp, kp, qs, ks):
+    """(dq, dk, dv) plus one chunk's float32 contributions, tile by tile."""
+    def body(carry, ij):
+        i, j = ij[0], ij[1]
+
+        def visit(carry):
+            dq, dk, dv = carry
+            gq, gk, gv = block_backward(_at(qb, i), _at(kb, j), _at(vb, j), _at(do, i), _at(lse, i),
+                                        _at(delta, i), qp[i], kp[j], _at(qs, i), _at(ks, j), causal=True,
+                                        scale=r.scale)
+            add = lambda acc, x, n: jax.lax.dynamic_update_index_in_dim(acc, _at(acc, n) + x, n, 0)
+            return add(dq, gq, i), add(dk, gk, j), add(dv, gv, j)
+
+        return jax.lax.cond(_visible(qp[i], kp[j]), visit, lambda c: c, carry)
+
+    return loop(_pairs(qb.shape[0], kb.shape[0]), body, grads)
+
+
+def _ring_forward(r: Ring, qb, kb, vb, qs, ks):
+    local = qb.shape[0] * r.bq
+    qp = device_positions(r.layout, r.size, local * r.size, jax.lax.axis_index(AXIS)).reshape(-1, r.bq)
+    state = vary_together(init_state(qb), qb, kb, vb, qs, ks, qp)
+    send = lambda x: jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, r.perm()), x)
+
+    def step(carry, t):
+        state, kv = carry
+        state = _chunk_forward(r, state, qb, kv[0], kv[1], qp, r.key_positions(t, local), qs, kv[2])
+        return state, send(kv)
+
+    kv = vary_together((kb, vb, ks), state)
+    state, kv = loop(np.arange(r.size - 1, dtype=np.int32), step, (state, kv))
+    state = _chunk_forward(r, state, qb, kv[0], kv[1], qp, r.key_positions(r.size - 1, local), qs, kv[2])
+    return finish(state, qb.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(r: Ring, qb, kb, vb, qs, ks):
+    return _ring_forward(r, qb, kb, vb, qs, ks)[0]
+
+
+def _ring_fwd(r, qb, kb, vb, qs, ks):
+    o, lse = _ring_forward(r, qb, kb, vb, qs, ks)
+    return o, (qb, kb, vb, qs, ks, o, lse)
+
+
+def _ring_bwd(r, res, do):
+    qb, kb, vb, qs, ks, o, lse = res
+    local = qb.shape[0] * r.bq
+    qp = device_positions(r.layout, r.size, local * r.size, jax.lax.axis_index(AXIS)).reshape(-1, r.bq)
+    delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
+    dq = jnp.zeros(qb.shape, F32)
+    dkv = (jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
+    dq, dkv, kv = vary_together((dq, dkv, (kb, vb, ks)), qb, kb, vb, qs, ks, do, lse, qp)
+    send = lambda x: jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, r.perm()), x)
+
+    def grads_of(t, dq, dkv, kv):
+        dq, dk, dv = _chunk_backward(r, (dq, *dkv), qb, kv[0], kv[1], do, lse, delta, qp,
+                                     r.key_positions(t, local), qs, kv[2])
+        return dq, (dk, dv)
+
+    def step(carry, t):  # the chunk and its gradient so far move on together
+        dq, dkv, kv = carry
+        dq, dkv = grads_of(t, dq, dkv, kv)
+        return dq, send(dkv), send(kv)
+
+    dq, dkv, kv = loop(np.arange(r.size - 1, dtype=np.int32), step, (dq, dkv, kv))
+    dq, dkv = grads_of(r.size - 1, dq, dkv, kv)
+    dk, dv = send(dkv)  # one more hop: home to the chunk's owner
+    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation=None, block: int = 512,
+                   threshold=None):
+    """Causal ring attention of this device's q [b, s/C, h, d] against every device's k, v
+    [b, s/C, kv_heads, d] (segment ids [b, s/C]: this device's). `block`: the tile size
+    (model.attention_block); the model's `implementation` is not used (the ring is its own)."""
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    bq = _tile(s // 2 if cp.layout == "zigzag" else s, block)  # a tile never straddles two runs
+    r = Ring(cp.size, cp.layout, bq, bq, d ** -0.5)
+    seg = None if segment_ids is None else _blocked(segment_ids.astype(jnp.int32), bq)
+    qb = _blocked(q.reshape(b, s, kvh, h // kvh, d), bq)
+    o = _ring(r, qb, _blocked(k, bq), _blocked(v, bq), seg, seg)
+    return _unblocked(o).reshape(b, s, h, d)
+
+
+def ring_bytes(cfg, seq: int, batch: int, itemsize: int) -> dict[str, float]:
+    """Analytic bytes each device receives per step of ring attention, all layers: forward, K and
+    V of the C-1 other chunks per layer; backward, K and V again (C-1 hops) and their float32
+    gradients dK, dV (C hops, the last one home). Segment ids are not counted."""
+    m, c = cfg.model, cfg.mesh.context
+    chunk = batch * (seq // c) * m.n_kv_heads * m.resolved_head_dim
+    fwd = 2 * (c - 1) * chunk * itemsize
+    bwd = 2 * (c - 1) * chunk * itemsize + 2 * c * chunk * 4
+    return {"forward": fwd * m.n_layers, "backward": bwd * m.n_layers}

@@ -1,0 +1,206 @@
+"""Context parallelism (issue 14, deliverable 2): ring and all_to_all attention over `context`.
+
+Against the `xla` attention on one device (tests/test_attention.py checks it against float64
+numpy): forward and gradients of each strategy, causal, with and without segment ids, GQA,
+context 2 / 4 / 8, zigzag and contiguous; the whole train step (gradients and losses) on
+data x context x tensor, fsdp ZeRO-3 and context=8 against the one-device step; the ring's
+collective-permute bytes in the compiled HLO against the analytic volume; compiled temp memory
+falling with the context size; one clear error per bad config."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpar.attention import xla_attention
+from jaxpar.config import ConfigError
+from jaxpar.metrics.hlo import collective_bytes
+from jaxpar.parallel.context import (ContextParallel, gathered_order, global_to_zigzag, ring_bytes,
+                                     zigzag_to_global)
+from jaxpar.train.trainer import Trainer
+from tests.conftest import tiny_config
+from tests.grad_util import run_steps
+
+B, S, D = 2, 64, 8
+SEGMENTS = np.array([[0] * 23 + [1] * 18 + [2] * 23, [7] * 64], np.int32)
+
+
+def inputs(heads, kv_heads):
+    kq, kk, kv, kd = jax.random.split(jax.random.PRNGKey(0), 4)
+    return (jax.random.normal(kq, (B, S, heads, D)), jax.random.normal(kk, (B, S, kv_heads, D)),
+            jax.random.normal(kv, (B, S, kv_heads, D)), jax.random.normal(kd, (B, S, heads, D)))
+
+
+def assert_close(got, ref, rtol=1e-5, what=""):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+    assert err <= rtol, f"{what}: max error {err:.2e} of max |ref| {np.max(np.abs(ref)):.3g}"
+
+
+@functools.lru_cache(maxsize=None)
+def reference(heads, kv_heads, segments):
+    q, k, v, do = inputs(heads, kv_heads)
+    seg = jnp.asarray(SEGMENTS) if segments else None
+    out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, seg), q, k, v)
+    return (out, *vjp(do))
+
+
+def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4):
+    """(out, dq, dk, dv) of the strategy's hook in a shard_map over `context`, in global order."""
+    mesh = Mesh(np.array(devices[:cp.size]), ("context",))
+    order = gathered_order(cp.layout, cp.size, S)  # the devices' tokens, concatenated
+    hook = cp.attention()
+
+    def local(q, k, v, do, seg):
+        fn = lambda q, k, v: hook(q, k, v, seg, implementation="xla", block=block, threshold=0)
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(do))
+
+    spec = P(None, "context")
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4))
+    q, k, v, do = inputs(heads, kv_heads)
+    seg = jnp.asarray(SEGMENTS[:, order]) if segments else None
+    outs = run(*(x[:, order] for x in (q, k, v, do)), seg)
+    inv = np.argsort(order)
+    return [x[:, inv] for x in outs]
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["causal", "segments"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+def test_attention_forward_and_grads_equal_xla(strategy, size, layout, segments, devices):
+    # GQA (2 query heads per kv head); all_to_all needs kv heads divisible by the context size
+    heads, kv_heads = (16, 8) if strategy == "all_to_all" and size == 8 else (8, 4)
+    got = sharded(ContextParallel(size, strategy, layout), devices, heads, kv_heads, segments)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference(heads, kv_heads, segments)):
+        assert_close(g, r, what=f"{strategy} C={size} {layout} {name}")
+
+
+def test_zigzag_reorder_is_the_gathered_order():
+    x = jnp.asarray(gathered_order("zigzag", 4, 32))[None]
+    np.testing.assert_array_equal(zigzag_to_global(x, 4)[0], np.arange(32))
+    np.testing.assert_array_equal(global_to_zigzag(jnp.arange(32)[None], 4), x)
+
+
+def test_ring_tile_larger_than_a_run(devices):
+    """A tile that does not divide the device's run of tokens falls back to one that does."""
+    got = sharded(ContextParallel(4, "ring", "zigzag"), devices, 8, 4, True, block=5)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference(8, 4, True)):
+        assert_close(g, r, what=name)
+
+
+# ------------------------------------------------------------------ the train step
+
+# 8 heads over 4 kv heads (GQA; all_to_all over context x tensor = 4 divides both)
+MODEL = ["model.n_heads=8", "model.n_kv_heads=4", "train.global_batch=4", "model.attention=xla"]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def one_device(devices):
+    return run_steps(tiny_config(*MODEL, "mesh.data=1"), STEPS, devices[:1])
+
+
+LAYOUTS = {
+    "data2-context2-tensor2-ring": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"],
+    "data2-context2-tensor2-a2a": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2",
+                                   "context.strategy=all_to_all"],
+    "fsdp2-context4-zero3-ring-contiguous": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=4",
+                                             "sharding.zero_stage=3", "context.layout=contiguous"],
+    "data2-context4-remat-full-loss-chunk": ["mesh.data=2", "mesh.context=4", "train.remat=full",
+                                            "train.loss_chunk=4"],
+    "fsdp2-context4-zero3-a2a": ["mesh.data=1", "mesh.fsdp=2", "mesh.context=4", "sharding.zero_stage=3",
+                                 "context.strategy=all_to_all", "model.attention=blockwise",
+                                 "model.attention_block=8"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_step_gradients_equal_one_device(layout, one_device, devices):
+    got = run_steps(tiny_config(*MODEL, *LAYOUTS[layout]), 1, devices)[0]
+    ref = one_device[0]
+    np.testing.assert_allclose(got["loss"], ref["loss"], rtol=1e-5)
+    for path, g in jax.tree_util.tree_flatten_with_path(got["grads"])[0]:
+        r = ref["grads"]
+        for k in path:
+            r = r[k.key]
+        assert_close(g, r, what=f"{layout} {jax.tree_util.keystr(path)}")
+
+
+def test_context8_losses_equal_one_device(one_device, devices):
+    got = run_steps(tiny_config(*MODEL, "mesh.data=1", "mesh.context=8"), STEPS, devices)
+    np.testing.assert_allclose([m["loss"] for m in got], [m["loss"] for m in one_device], rtol=1e-5)
+    assert got[-1]["loss"] < got[0]["loss"]
+
+
+# ------------------------------------------------------------------ compiled structure
+
+LONG = ["model.preset=tiny", "train.global_batch=1", "model.attention=blockwise", "model.attention_block=256"]
+
+
+def compiled(overrides, devices):
+    return Trainer(tiny_config(*LONG, *overrides), devices=devices, log=lambda s: None).compile()
+
+
+@pytest.fixture(scope="module")
+def ring8(devices):
+    return compiled(["train.seq_len=8192", "mesh.data=1", "mesh.context=8"], devices)
+
+
+def test_temp_memory_falls_with_context(ring8, devices):
+    one = compiled(["train.seq_len=8192", "mesh.data=1"], devices[:1]).memory_analysis().temp_size_in_bytes
+    eight = ring8.memory_analysis().temp_size_in_bytes
+    assert eight <= 1.5 / 8 * one, (one, eight)
+
+
+def test_ring_bytes_match_analytic(ring8):
+    cfg = tiny_config(*LONG, "train.seq_len=8192", "mesh.data=1", "mesh.context=8")
+    want = sum(ring_bytes(cfg, 8192, 1, 4).values())
+    got = collective_bytes(ring8.as_text(), count_loops=True).get("collective-permute", 0)
+    assert want <= got <= 1.05 * want, (got, want)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["mesh.context=8", "train.seq_len=40"], ["train.seq_len=40", "16", "2 x mesh.context=8", "zigzag"]),
+    (["mesh.context=8", "train.seq_len=36", "context.layout=contiguous"], ["train.seq_len=36", "by 8"]),
+    (["mesh.context=4", "mesh.data=2", "context.strategy=all_to_all", "model.n_kv_heads=2"],
+     ["model.n_kv_heads=2", "mesh.context=4", "context.strategy=ring"]),
+    (["mesh.context=2", "mesh.tensor=2", "mesh.data=2", "context.strategy=all_to_all", "model.n_heads=4",
+      "model.n_kv_heads=2"], ["model.n_kv_heads=2", "mesh.tensor=2", "by 4"]),
+    (["mesh.context=4", "mesh.pipeline=2"], ["mesh.pipeline=2", "mesh.context=4"]),
+    (["mesh.context=2", "gradient_compression.method=int8", "mesh.data=4"], ["gradient_compression.method"]),
+])
+def test_bad_layouts_raise_one_clear_error(overrides, words, devices):
+    with pytest.raises(ConfigError) as err:
+        Trainer(tiny_config("mesh.data=1", "train.global_batch=8", *overrides), devices=devices,
+                log=lambda s: None)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_context_config_is_validated():
+    with pytest.raises(ConfigError, match="context.strategy"):
+        tiny_config("context.strategy=ulysses")
+    with pytest.raises(ConfigError, match="mesh.context"):
+        tiny_config("mesh.context=0")
+
+
+def test_bench_context_rows_and_table(devices):
+    """`jaxpar bench context` at a tiny size: the ring's permute bytes are its analytic volume,
+    the split sequence needs less temp memory per device, and the table prints."""
+    from jaxpar.bench import context as bench
+    from jaxpar.bench import load
+    _, cfg = load("context", None, ["model.n_layers=1", "model.attention_block=64"])
+    res = bench.run(cfg, seqs=(512,), strategies=("blockwise", "ring"), budget=2**40, max_seq=512)
+    by = {r["strategy"]: r for r in res["rows"]}
+    ring = by["ring"]
+    assert 1.0 <= ring["collective_bytes"]["collective-permute"] / ring["analytic_ring_bytes"] <= 1.05
+    assert ring["temp_bytes"] < by["blockwise"]["temp_bytes"] / 2
+    assert res["longest_fitting"] == {"blockwise": 512, "ring": 512}
+    assert "ring" in bench.format_result({"benchmark": "context", **res})
