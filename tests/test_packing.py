@@ -249,6 +249,10 @@ LAYOUTS = {
     "data2-fsdp2-tensor2-reset-chunked": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.reset_positions=true",
                                           "train.loss_chunk=8", "model.attention=blockwise",
                                           "model.attention_block=8"),
+    # context parallelism cuts every document field of the rows alike (parallel/context.split)
+    "data2-context2-tensor2-ring-zigzag-reset": ("mesh.data=2", "mesh.context=2", "mesh.tensor=2",
+                                                 "data.reset_positions=true"),
+    "data2-context2-all_to_all": ("mesh.data=2", "mesh.context=2", "context.strategy=all_to_all"),
 }
 
 
@@ -349,10 +353,13 @@ def test_packing_config_errors_name_the_field(tmp_path):
         build_source(packed_cfg(path).data, VOCAB, 0)
 
 
-def test_batch_apply_passes_only_what_it_has():
+def test_rows_apply_passes_only_what_they_have():
     seen = {}
-    Batch(jnp.zeros((1, 5), jnp.int32)).apply(lambda x, **kw: seen.update(kw))
+    Batch(jnp.zeros((1, 5), jnp.int32)).rows().apply(lambda x, **kw: seen.update(kw))
     assert seen == {}
+    seg = jnp.ones((1, 4), jnp.int32)
+    Batch(jnp.zeros((1, 5), jnp.int32), segment_ids=seg).rows().apply(lambda x, **kw: seen.update(kw))
+    assert list(seen) == ["segment_ids"]
 
 
 # ---------------------------------------------------------------- a sequence too long for the devices
