@@ -7,14 +7,13 @@ import shutil
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import checkpoint as ck
 from jaxpar.cli import main as cli_main
-from jaxpar.config import make_config
+from tests.poison_util import PoisonSource, poisoned_factory
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.xdist_group("checkpoint")  # the poisoned trainer is built once
@@ -206,33 +205,13 @@ def test_truncate_metrics(tmp_path):
 # ---------------------------------------------------------------- the non-finite guard
 
 
-class PoisonSource:
-    """Wraps a token source: rows of the `bad` data steps get a -1 token (the model turns it into NaN)."""
-
-    def __init__(self, base, bad):
-        self.base, self.bad = base, set(bad)
-
-    def rows(self, step, row_indices, seq_len):
-        rows = self.base.rows(step, row_indices, seq_len)
-        if step in self.bad:
-            rows = rows.copy()
-            rows[:, 0] = -1
-        return rows
-
-
 @pytest.fixture(scope="module")
 def poisoned_trainer(devices):
-    from models.llama import Llama
-
     from jaxpar.train.trainer import Trainer
 
-    class Poisoned(Llama):
-        def __call__(self, tokens):
-            bad = (tokens < 0).any()
-            return super().__call__(jnp.maximum(tokens, 0)) * jnp.where(bad, jnp.nan, 1.0)
 
     cfg = tiny_config("mesh.data=4", "mesh.tensor=2", "train.steps=5", "train.max_nonfinite=2")
-    trainer = Trainer(cfg, model_factory=lambda rngs: Poisoned(cfg.model, rngs), devices=devices)
+    trainer = Trainer(cfg, model_factory=poisoned_factory(cfg), devices=devices)
     base = trainer.loader.source
     trainer.poison = lambda bad: setattr(trainer.loader, "source", PoisonSource(base, bad))
     return trainer

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax._src.array import ArrayImpl
 
+from tests.poison_util import PoisonSource, poisoned_factory
 from tests.conftest import TINY, tiny_config
 from jaxpar import xla as jxla
 from jaxpar.config import ConfigError, TrainConfig
@@ -31,32 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 9
 
 
-class PoisonSource:
-    """The rows of the `bad` data steps start with token -1, which the model turns into NaN."""
-
-    def __init__(self, base, bad=()):
-        self.base, self.bad = base, set(bad)
-
-    def rows(self, step, row_indices, seq_len):
-        rows = self.base.rows(step, row_indices, seq_len)
-        if step in self.bad:
-            rows = rows.copy()
-            rows[:, 0] = -1
-        return rows
-
-
 @pytest.fixture(scope="module")
 def trainer(devices):
-    from models.llama import Llama
-
-    class Poisoned(Llama):
-        def __call__(self, tokens):
-            bad = (tokens < 0).any()
-            return super().__call__(jnp.maximum(tokens, 0)) * jnp.where(bad, jnp.nan, 1.0)
 
     cfg = tiny_config("mesh.data=4", "mesh.tensor=2", f"train.steps={STEPS}", "train.max_nonfinite=2",
                       "checkpoint.every=1000")
-    tr = Trainer(cfg, model_factory=lambda rngs: Poisoned(cfg.model, rngs), devices=devices,
+    tr = Trainer(cfg, model_factory=poisoned_factory(cfg), devices=devices,
                  log=lambda s: None)
     tr.compile()
     tr.clean_source = tr.loader.source
