@@ -126,9 +126,9 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
                                      compute_itemsize=itemsize(t.compute_dtype),
                                      grad_itemsize=itemsize(t.grad_reduce_dtype))
     sync = cache[key]
-    for kind, row in sync.items():
+    leaves = len(jax.tree.leaves(model.shapes))
+    for kind, row in sync.items():  # `out` is empty here: one row per kind
         if row["result_bytes"]:
-            before = out.get(kind, {}).get("wire_bytes", 0.0)
             # the group: the batch axes (ZeRO's over fsdp; close enough for the link choice)
             n = math.prod(mesh[a] for a in batch) if kind == "all-reduce" else mesh.get("fsdp", 1)
             n = max(n, 2)
@@ -140,11 +140,11 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
             row_out["links"][lk] = row_out["links"].get(lk, 0.0) + row["wire_bytes"]
             per_step = (2 * accum if kind == "all-gather" and plan.zero_stage >= 3
                         else accum if kind == "reduce-scatter" and plan.zero_stage >= 2 else 1)
-            ops = len(jax.tree.leaves(model.shapes)) * per_step
+            ops = leaves * per_step
             row_out["ops"] += ops
             row_out["steps"] += ops * (2 * (n - 1) if kind == "all-reduce" else n - 1)
             gathered = plan.zero_stage >= 3 and kind == "all-gather"
-            purpose["zero3_gather" if gathered else "grad_sync"] += row_out["wire_bytes"] - before
+            purpose["zero3_gather" if gathered else "grad_sync"] += row["wire_bytes"]
 
     c = itemsize(t.compute_dtype)
     micro = layout.micro

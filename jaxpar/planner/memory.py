@@ -58,12 +58,14 @@ def state_itemsizes(cfg: Config, grad_accum: int | None = None) -> dict[str, int
     return {"params": itemsize(t.param_dtype), "grads": grads, "opt_state": opt}
 
 
-def shard_elems(plan: Plan, axes, shape, use: str) -> int:
+def shard_elems(plan: Plan, axes, shape, use: str, skip: tuple[str, ...] = ()) -> int:
+    """Elements per device of an array with logical `axes` under the plan's spec for `use`,
+    not counting the mesh axes in `skip` (("fsdp",) with "act": a ZeRO-3 gather's result)."""
     spec = plan.spec(axes, shape, use)
     mesh = plan.mesh.shape
     n = 1
     for d, e in zip(shape, (*spec, *(None,) * (len(shape) - len(spec)))):
-        n *= d // math.prod(mesh[a] for a in entry_axes(e))
+        n *= d // math.prod(mesh[a] for a in entry_axes(e) if a not in skip)
     return n
 
 
@@ -158,10 +160,11 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
     for axes, sds in _leaves(model):
         shape = sds.shape
         out["params"] += shard_elems(plan, axes, shape, "param") * sizes["params"]
-        out["opt_state"] += shard_elems(plan, axes, shape, "opt") * sizes["opt_state"]
+        opt = shard_elems(plan, axes, shape, "opt")
+        out["opt_state"] += opt * sizes["opt_state"]
         out["grads"] += shard_elems(plan, axes, shape, "grad") * sizes["grads"]
-        out["update"] += shard_elems(plan, axes, shape, "opt") * 4 * ADAM_TRANSIENT
-        no_fsdp = _without_fsdp(plan, axes, shape)
+        out["update"] += opt * 4 * ADAM_TRANSIENT
+        no_fsdp = shard_elems(plan, axes, shape, "act", skip=("fsdp",))
         grad_full += no_fsdp * 4
         if axes[:1] == ("layers",):  # one layer of this device's stage
             stacked_full += no_fsdp / (shape[0] / layout.size("pipeline")) * c
@@ -214,13 +217,3 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     out["logits"] = loss_tokens * ms.vocab / tp * 4 * LOGIT_COPIES
     out["batch"] = t.global_batch / batch_div * (t.seq_len + 1) * 4
     return out
-
-
-def _without_fsdp(plan: Plan, axes, shape) -> int:
-    """Elements per device of a param sharded by every rule but fsdp (a ZeRO-3 gather's result)."""
-    spec = plan.spec(axes, shape, "act")
-    mesh = plan.mesh.shape
-    n = 1
-    for d, e in zip(shape, (*spec, *(None,) * (len(shape) - len(spec)))):
-        n *= d // math.prod(mesh[a] for a in entry_axes(e) if a != "fsdp")
-    return n
