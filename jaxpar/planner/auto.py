@@ -19,7 +19,10 @@ GPU_PRESETS = (("H200", "h200_x8"), ("H100", "h100_80gb_x8"), ("A100", "a100_80g
 def detect_cluster(cfg: Config, n_devices: int) -> Cluster:
     """planner.cluster, or the preset matching these devices, sized to n_devices."""
     if cfg.planner.cluster:
-        cluster = load_cluster(cfg.planner.cluster)
+        try:
+            cluster = load_cluster(cfg.planner.cluster)
+        except ConfigError as e:
+            raise ConfigError(f"planner.cluster: {e}") from None
     else:
         dev = jax.devices()[0]
         kind = str(getattr(dev, "device_kind", ""))
