@@ -10,9 +10,23 @@ if "--xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for this run, shared by the xdist workers (they inherit the variable the
+# controller sets here): tests build a fresh Trainer, so a fresh jit, for configs other tests
+# compiled already (the one-device references above all); XLA's cache makes the repeat a load.
+# Empty at the start of every run and removed at its end, so no test depends on an earlier run.
+_CACHE_VAR = "JAXPAR_TEST_COMPILE_CACHE"
+if _CACHE_VAR not in os.environ:
+    import tempfile
+    os.environ[_CACHE_VAR] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
+    _OWN_CACHE = True
+else:
+    _OWN_CACHE = False
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VAR])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 from jaxpar.config import make_config  # noqa: E402
 
@@ -33,3 +47,9 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"tests expect 8 forced CPU devices, got {len(devs)}"
     return devs
+
+
+def pytest_sessionfinish(session):
+    if _OWN_CACHE:  # the process that made the cache dir (the xdist controller, or a plain run)
+        import shutil
+        shutil.rmtree(os.environ[_CACHE_VAR], ignore_errors=True)
