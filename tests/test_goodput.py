@@ -4,8 +4,9 @@ launch` killed once at a given step: the trainer's and the launcher's events, th
 productive + lost = wall time, and the same figures on the Prometheus exporter.
 
 The killed run's process runs this file as a driver (`python tests/test_goodput.py SPEC`): it
-kills itself once at a logged step and prints what its own exporter serves, then runs the
-real `jaxpar train` CLI."""
+runs the real `jaxpar train` CLI, kills itself once at each of the logged steps `kill_at` and
+prints what its own exporter serves at step `scrape_at` (docs/benchmarks.md's three-failure run
+uses it too)."""
 import json
 import os
 import re
@@ -174,7 +175,7 @@ def killed_run(tmp_path_factory):
     (work / "gp.yaml").write_text(CONFIG)
     run = work / "runs" / "gp"
     spec = {"argv": ["train", str(work / "gp.yaml"), f"run_dir={work / 'runs'}"],
-            "kill_at": KILL_AT, "marker": str(work / "killed"), "scrape_at": STEPS}
+            "kill_at": [KILL_AT], "markers": str(work), "scrape_at": STEPS}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
@@ -254,17 +255,17 @@ def _main(spec: dict) -> int:
     import urllib.request
 
     PrometheusExporter.goodput_every_s = 0.0  # every log step (the test compares at one)
-    marker = Path(spec["marker"])
+    markers = {int(s): Path(spec["markers"]) / f"killed_at_{s}" for s in spec.get("kill_at", [])}
 
     class Hook(Callback):
         def on_log(self, trainer, record):
             step = record["step"]
-            if step == spec["kill_at"] and not marker.exists():
-                trainer.checkpointer.wait()  # the save of step 3 is whole before the kill
-                marker.touch()
+            if step in markers and not markers[step].exists():  # once at each of these steps
+                trainer.checkpointer.wait()  # the last save is whole before the kill
+                markers[step].touch()
                 print(f"killing myself at step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            if step == spec["scrape_at"]:
+            if step == spec.get("scrape_at"):
                 [ex] = [c for c in trainer.callbacks if isinstance(c, PrometheusExporter)]
                 text = urllib.request.urlopen(f"http://127.0.0.1:{ex.port}/metrics", timeout=10).read().decode()
                 for line in text.splitlines():

@@ -254,7 +254,8 @@ class PrometheusExporter(Callback):
     def _update_goodput(self, run_dir) -> None:
         """The goodput of the trainer's event log (process 0 writes it; elsewhere there is none)."""
         now = time.monotonic()
-        if run_dir is None or (self._goodput_at is not None and now - self._goodput_at < self.goodput_every_s):
+        recent = self._goodput_at is not None and now - self._goodput_at < self.goodput_every_s
+        if run_dir is None or recent:
             return
         self._goodput_at = now
         try:
