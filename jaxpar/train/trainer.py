@@ -303,7 +303,7 @@ class Trainer:
         barrier("fit start")  # processes start their collectives together
         watch = NonfiniteWatch(t.max_nonfinite if t.skip_nonfinite else None)
         done = step = start_step  # steps completed
-        rollbacks, finished, self.preempted = 0, False, None
+        rollbacks, finished, self.preempted, first = 0, False, None, True
         for cb in self.callbacks:
             cb.on_start(self, start_step, state)
         batches = self._batches(step)
@@ -313,8 +313,9 @@ class Trainer:
                     _, batch = next(batches)
                     state, metrics = step_fn(state, batch)
                     step = done = step + 1
-                    if step == start_step + 1 and self.events is not None:  # dispatched, not waited for
+                    if first and self.events is not None:  # dispatched, not waited for
                         self.events("first_step", step=step)
+                    first = False
                     watch.push(step, metrics.get("nonfinite"))
                     for cb in self.callbacks:
                         cb.on_step_end(self, step, state, metrics)
