@@ -221,7 +221,7 @@ def test_killed_run_goodput_accounts_for_the_redone_steps(killed_run):
     recs = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
     assert sorted(recs) == list(range(1, STEPS + 1))
     per_step = statistics.median(r["step_time_s"] for s, r in recs.items() if s not in (1, 4, 7))
-    assert 0.5 * STEPS * per_step < g.productive_s < 2 * STEPS * per_step + 1.0, (g.to_dict(), per_step)
+    assert 0.4 * STEPS * per_step < g.productive_s < 2.5 * STEPS * per_step + 1.0, (g.to_dict(), per_step)
     redo = (KILL_AT - EVERY) * per_step
     assert 0.3 * redo < g.lost_s["redone"] < 3 * redo + 0.5, (g.lost_s, redo)
     assert g.lost_s["startup"] > sum(e["seconds"] for e in events if e["event"] == "compiled")
