@@ -1,6 +1,6 @@
 """`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`, `jaxpar plot RUN_DIR...`,
 `jaxpar profile [RUN_DIR]`, `jaxpar convert from-hf|to-hf SRC DST`, `jaxpar data prepare|train-tokenizer`,
-`jaxpar generate RUN_OR_CKPT --prompt TEXT`,
+`jaxpar generate RUN_OR_CKPT --prompt TEXT`, `jaxpar goodput RUN_DIR [--json]`,
 `jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
 
 User mistakes (bad config, bad checkpoint) print one clear message and exit 2, never a traceback.
@@ -35,7 +35,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from jaxpar.launch import LaunchOptions, launch
+    from jaxpar.launch import LaunchOptions, launch, run_dir_of
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -46,8 +46,18 @@ def _launch(args: argparse.Namespace) -> int:
         raise ConfigError("jaxpar launch: --nprocs and --devices-per-proc must be >= 1")
     if args.min_nprocs is not None and not 1 <= args.min_nprocs <= args.nprocs:
         raise ConfigError(f"jaxpar launch: --min-nprocs must be in 1..{args.nprocs}")
+    run_dir = args.run_dir if args.run_dir is not None else run_dir_of(command)
     return launch(LaunchOptions(args.nprocs, args.devices_per_proc, command, max_restarts=args.max_restarts,
-                                min_nprocs=args.min_nprocs, kill_timeout=args.kill_timeout, grace=args.grace))
+                                min_nprocs=args.min_nprocs, kill_timeout=args.kill_timeout, grace=args.grace,
+                                run_dir=str(run_dir) if run_dir is not None else None))
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    import json
+    from jaxpar.observe.goodput import format_report, goodput_of
+    g = goodput_of(args.run_dir)
+    print(json.dumps(g.to_dict(), indent=1) if args.json else format_report(g, args.run_dir))
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -138,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     pl.add_argument("-o", "--out", default=None, help="where the PNGs go (default: the first RUN_DIR)")
     pl.set_defaults(fn=_plot)
+    gp = sub.add_parser("goodput", help="productive time / wall time of a run and the time lost, by cause "
+                        "(from RUN_DIR/events.jsonl, across restarts)")
+    gp.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory: <run_dir>/<name> of its config")
+    gp.add_argument("--json", action="store_true", help="machine-readable output")
+    gp.set_defaults(fn=_goodput)
     pr = sub.add_parser("profile", help="how to open a profile.steps trace (and which files a run has)")
     pr.add_argument("run_dir", nargs="?", default=None, metavar="RUN_DIR")
     pr.set_defaults(fn=_profile)
@@ -194,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds between SIGTERM and SIGKILL for the others after one fails")
     la.add_argument("--grace", type=float, default=180.0,
                     help="seconds the processes get to save and exit after a forwarded SIGTERM/SIGINT")
+    la.add_argument("--run-dir", default=None, metavar="RUN_DIR",
+                    help="the run's directory for the launcher's events (jaxpar goodput); "
+                         "default: <run_dir>/<name> of a `train CONFIG` command")
     la.add_argument("command", nargs=argparse.REMAINDER,
                     help="after --: a jaxpar command (train CONFIG ...) or a program (python script.py)")
     la.set_defaults(fn=_launch)

@@ -20,6 +20,10 @@ data, process-0 logging, checkpoints written by all) on one machine; real cluste
   restarts without it (down to M processes), and the run's elastic resume adapts the mesh and
   grad_accum to the smaller device count.
 
+With a run dir (`--run-dir`, by default the `<run_dir>/<name>` of a `train CONFIG` command) the
+launcher writes `group_start` / `group_end` (reason done, failed or signal) into its event log
+(observe/events.py, source "launch"), which `jaxpar goodput` reads.
+
 The children see JAXPAR_COORDINATOR_ADDRESS / JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID (read by
 `jaxpar.distributed.initialize`), JAXPAR_RESTART_COUNT (the attempt, from 0), XLA_FLAGS
 with --xla_force_host_platform_device_count=K, and one PYTHONHASHSEED for all (yours, or 0).
@@ -35,7 +39,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO
+
+from jaxpar.observe.events import RunEvents
 
 # `jaxpar launch -- train ...` runs these through the jaxpar CLI; anything else runs as given.
 JAXPAR_COMMANDS = ("train", "bench", "checkpoint", "plot", "profile")
@@ -53,6 +60,7 @@ class LaunchOptions:
     kill_timeout: float = 10.0      # after a failure: SIGTERM, then SIGKILL this much later
     grace: float = 180.0            # after a forwarded SIGTERM/SIGINT: then SIGKILL
     restart_delay: float = 1.0
+    run_dir: str | None = None      # where group_start / group_end go (the run's event log)
 
 
 @dataclass
@@ -148,6 +156,7 @@ class Launcher:
         self.signal: str | None = None
         self.kill_now = False
         self.attempts: list[Attempt] = []
+        self.events = RunEvents(opts.run_dir, source="launch")
 
     # -- output
     def say(self, msg: str) -> None:
@@ -187,6 +196,7 @@ class Launcher:
         threads = []
         self.procs = []
         self.exit_times: dict[int, float] = {}
+        self.events("group_start", attempt=attempt, nprocs=nprocs)
         for rank in range(nprocs):
             p = subprocess.Popen(
                 cmd, env=child_env(dict(os.environ), rank, nprocs, self.opts.devices_per_proc, port, attempt),
@@ -246,6 +256,8 @@ class Launcher:
         failed = [r for r, c in enumerate(codes) if c != 0]
         first = min(failed, key=lambda r: self.exit_times.get(r, float("inf"))) if failed else None
         result = Attempt(nprocs, codes, first, self.signal, dict(self.exit_times))
+        self.events("group_end", attempt=attempt,
+                    reason="signal" if self.signal else "done" if result.ok else "failed")
         self.say(f"attempt {attempt} ended: " + ", ".join(
             f"rank {r} {_exit_status(c)}" for r, c in enumerate(codes)))
         return result
@@ -300,6 +312,18 @@ class Launcher:
                 self._send(p, signal.SIGKILL)
             for sig, h in old.items():
                 signal.signal(sig, h)
+
+
+def run_dir_of(command: list[str]) -> Path | None:
+    """The run dir (<run_dir>/<name>) of a `train CONFIG [overrides]` command, else None (also
+    when the config does not load: the child reports that)."""
+    if len(command) < 2 or command[0] != "train":
+        return None
+    from jaxpar.config import ConfigError, load_config
+    try:
+        return load_config(command[1], command[2:]).out_dir
+    except (ConfigError, OSError, ValueError):
+        return None
 
 
 def launch(opts: LaunchOptions, out: BinaryIO | None = None) -> int:

@@ -8,13 +8,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxpar.observe.prometheus import PrometheusExporter, record_checkpoint_save
-from jaxpar.observe.profiler import ProfileWindow
-from jaxpar.observe.watchdog import Watchdog
+_LAZY = {"PrometheusExporter": "prometheus", "record_checkpoint_save": "prometheus",
+         "ProfileWindow": "profiler", "Watchdog": "watchdog"}
+
+
+def __getattr__(name: str):
+    # The callbacks import jax; the event log and goodput (events.py, goodput.py) do not, and
+    # `jaxpar launch` / `jaxpar goodput` load them without it: the package itself stays light.
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f"jaxpar.observe.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'jaxpar.observe' has no attribute {name!r}")
 
 
 def build_callbacks(cfg, out_dir: str | Path | None = None) -> list:
     """Callbacks for `cfg.observe` and `cfg.profile`, writing under `out_dir` (default: the run dir)."""
+    from jaxpar.observe.prometheus import PrometheusExporter
+    from jaxpar.observe.profiler import ProfileWindow
+    from jaxpar.observe.watchdog import Watchdog
+
     out = Path(out_dir) if out_dir is not None else cfg.out_dir
     cbs: list = []
     prof = cfg.profile

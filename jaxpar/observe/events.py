@@ -51,3 +51,33 @@ def read_events(run_dir: str | os.PathLike) -> Iterator[dict]:
                 continue
             if isinstance(entry, dict) and "event" in entry and "time" in entry:
                 yield entry
+
+
+def restart_count(environ: dict | None = None) -> int:
+    """The launcher's attempt number (JAXPAR_RESTART_COUNT, 0 when unset or not a number)."""
+    try:
+        return max(0, int((environ if environ is not None else os.environ).get("JAXPAR_RESTART_COUNT", 0)))
+    except ValueError:
+        return 0
+
+
+class RunEvents:
+    """One writer's events into one run dir: `events("progress", step=10)`. With `run_dir` None
+    (a process other than 0, a run without a run dir) every call does nothing, so callers never
+    check."""
+
+    def __init__(self, run_dir: str | os.PathLike | None, source: str = "train") -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.source = source
+        self.started = False
+
+    def __call__(self, event: str, **fields: Any) -> dict | None:
+        if self.run_dir is None:
+            return None
+        return record(self.run_dir, event, source=self.source, **fields)
+
+    def start(self, **fields: Any) -> None:
+        """The `start` event (once per writer), with the launcher's restart count."""
+        if not self.started:
+            self.started = True
+            self("start", restart_count=restart_count(), **fields)

@@ -7,7 +7,10 @@ nothing is exposed to other machines by accident. Only process 0 serves unless `
 
 Values are a snapshot the training loop updates (step on every step, the rest on every logged
 record); the HTTP thread only reads it. Checkpoint code reports save times with
-`record_checkpoint_save(seconds)`, exported as `jaxpar_checkpoint_save_seconds`.
+`record_checkpoint_save(seconds)`, exported as `jaxpar_checkpoint_save_seconds`. The run's goodput
+(observe/goodput.py, from the event log the trainer writes) is recomputed at logged steps, at most
+every `goodput_every_s` seconds: `jaxpar_goodput_ratio`, `jaxpar_goodput_{wall,productive}_seconds`
+and `jaxpar_goodput_lost_seconds{cause}`.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from jaxpar.metrics import COLLECTIVE_KINDS, collective_bytes, compiled_memory, device_memory_stats
 from jaxpar.observe import watchdog
+from jaxpar.observe.events import read_events
+from jaxpar.observe.goodput import CAUSES, account
 from jaxpar.observe.watchdog import exempt_current_step
 from jaxpar.train.callbacks import Callback
 
@@ -137,6 +142,20 @@ class _Collector:
         yield c
         if g.samples:
             yield g
+        gp = snap["goodput"]
+        if gp is not None:
+            yield gauge("jaxpar_goodput_ratio", "Productive training time / wall time of the run, "
+                        "across restarts (jaxpar goodput)", gp["goodput"])
+            yield gauge("jaxpar_goodput_wall_seconds", "Wall time of the run: first event to last",
+                        gp["wall_s"])
+            yield gauge("jaxpar_goodput_productive_seconds", "Productive training time of the run",
+                        gp["productive_s"])
+            g = GaugeMetricFamily("jaxpar_goodput_lost_seconds", "Wall time lost, by cause (startup, "
+                                  "checkpoint_save, checkpoint_restore, redone, wait_nodes, other)",
+                                  labels=names + ["cause"])
+            for cause in CAUSES:
+                g.add_metric(values + [cause], float(gp["lost_s"][cause]))
+            yield g
         if snap["collectives"] is not None:
             g = GaugeMetricFamily("jaxpar_collective_bytes_per_step",
                                   "Per-device result bytes of each collective type in one compiled step "
@@ -167,6 +186,8 @@ class _Collector:
 class PrometheusExporter(Callback):
     """Serves `/metrics` from `on_start` to `on_end`. `port=0` picks a free port (see `.port`)."""
 
+    goodput_every_s = 10.0  # the event log is re-read at most this often (at logged steps)
+
     def __init__(self, host: str = "127.0.0.1", port: int = 9400, all_processes: bool = False,
                  run: str = "run") -> None:
         self.host, self.requested_port, self.all_processes, self.run = host, port, all_processes, run
@@ -177,8 +198,9 @@ class PrometheusExporter(Callback):
         self.registry.register(_Collector(self))
         self._server = None
         self._snap: dict = {"step": None, "steps_done": 0, "last_step_time": None, "record": {},
-                            "collectives": None, "memory": []}
+                            "collectives": None, "memory": [], "goodput": None}
         self._compiled = None
+        self._goodput_at: float | None = None
 
     @property
     def active(self) -> bool:
@@ -227,6 +249,21 @@ class PrometheusExporter(Callback):
             return
         rec = {k: float(v) for k, v in record.items() if k in _RECORD_GAUGES and _number(v)}
         self._update(record={**self._snap["record"], **rec}, memory=memory_snapshot(self._compiled))
+        self._update_goodput(getattr(getattr(trainer, "events", None), "run_dir", None))
+
+    def _update_goodput(self, run_dir) -> None:
+        """The goodput of the trainer's event log (process 0 writes it; elsewhere there is none)."""
+        now = time.monotonic()
+        recent = self._goodput_at is not None and now - self._goodput_at < self.goodput_every_s
+        if run_dir is None or recent:
+            return
+        self._goodput_at = now
+        try:
+            events = list(read_events(run_dir))
+            if events:
+                self._update(goodput=account(events).to_dict())
+        except (OSError, ValueError, KeyError, TypeError):  # a metric never stops the run
+            pass
 
     def on_end(self, trainer: Any, step: int, state: Any) -> None:
         self.close()

@@ -1,6 +1,6 @@
 """The pieces of Trainer.fit that keep state across steps: the non-finite flags, kept on the
 devices until the loop has to look at them, and the log records (throughput, MFU) that go to the
-writers, progress bar and callbacks."""
+writers, progress bar, event log (`progress`) and callbacks."""
 from __future__ import annotations
 
 import time
@@ -87,6 +87,8 @@ class StepLog:
         self.history.append(rec)
         self.writer.write(step, rec)
         self.bar.update(step, rec["loss"], rec["tokens_per_s"])
+        if getattr(tr, "events", None) is not None:  # before the callbacks: the exporter reads it
+            tr.events("progress", step=step)
         for cb in tr.callbacks:
             cb.on_log(tr, rec)
         return rec

@@ -4,6 +4,7 @@ Scripts use it directly (`Trainer(cfg, model_factory=...)`), the CLI through `ja
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,7 @@ from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import (compiled_memory, format_banner, generic_flops_per_token, llama_flops_per_token,
                             peak_flops)
 from jaxpar.observe import build_callbacks
+from jaxpar.observe.events import RunEvents
 from jaxpar.planner.auto import PredictionReport, resolve_auto
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
 from jaxpar.train.layout_checks import check_layout
@@ -52,6 +54,7 @@ class Trainer:
     log: Callable[[str], None] = print
     writers: list = field(default_factory=list)
     callbacks: list = field(default_factory=list)
+    events: RunEvents | None = None  # the run dir's event log (goodput); fit opens one for its out_dir
 
     def __post_init__(self) -> None:
         self.cfg = cfg = init_config(self.cfg)  # train.init_from fills model.*
@@ -152,7 +155,10 @@ class Trainer:
         t = self.cfg.train
         batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), jnp.int32,
                                      sharding=self.spec.batch_sharding)
+        t0 = time.perf_counter()
         self.compiled = self.step_fn.lower(state, batch).compile()
+        if self.events is not None:
+            self.events("compiled", seconds=time.perf_counter() - t0)
         return self.compiled
 
     def abstract_state_sharded(self) -> Any:
@@ -187,6 +193,19 @@ class Trainer:
     def save(self, ckpt, step: int, state: dict) -> None:
         ckpt.save(step, state, self.checkpoint_meta(step), self.cfg.model_dump(mode="json"))
 
+    def _save_blocking(self, ckpt, step: int, state: dict, save: bool = True, wait: bool = False) -> None:
+        """Save (and with `wait`, wait until every save has landed); the time the loop was blocked
+        goes to the event log. The steps still running are waited for first: their time is
+        training, not the save's."""
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        if save:
+            self.save(ckpt, step, state)
+        if wait:
+            ckpt.wait()
+        if self.events is not None:
+            self.events("checkpoint_save", step=step, blocking_s=time.perf_counter() - t0)
+
     def restore(self, plan=None, out_dir: Path | None = None) -> tuple[dict | None, int, str]:
         """Per train.resume: (state, step to start from, what happened, for the banner).
         (None, 0, ...) when there is nothing to resume. `plan` comes from
@@ -205,7 +224,11 @@ class Trainer:
             src = self._own_ckpt(own)
         else:  # another run's checkpoints: read only
             src = Checkpointer(plan.root, async_save=False, read_only=True, log=self.log)
+        t0 = time.perf_counter()
         state, meta, step = src.restore(self.abstract_state_sharded(), plan.step)
+        if self.events is not None:
+            self.events("checkpoint_restore", step=int(step), blocking_s=time.perf_counter() - t0)
+            self.events("resume", step=int(step))
         if src is not self.checkpointer:
             src.close()
         reset = [k for k in meta.get("reset", []) if k in self.spec.state_shardings]
@@ -273,13 +296,14 @@ class Trainer:
         metrics and non-finite flags stay on the devices until a log, checkpoint or eval step."""
         cfg, t = self.cfg, self.cfg.train
         out_dir = Path(out_dir) if out_dir is not None else None
+        self._open_events(out_dir)
         ckpt, state, start_step = self._begin(state, start_step, out_dir)
         log = StepLog(self, out_dir, start_step, t.progress if progress is None else progress)
         step_fn = self.compiled or self.compile()
         barrier("fit start")  # processes start their collectives together
         watch = NonfiniteWatch(t.max_nonfinite if t.skip_nonfinite else None)
         done = step = start_step  # steps completed
-        rollbacks, finished, self.preempted = 0, False, None
+        rollbacks, finished, self.preempted, first = 0, False, None, True
         for cb in self.callbacks:
             cb.on_start(self, start_step, state)
         batches = self._batches(step)
@@ -289,6 +313,9 @@ class Trainer:
                     _, batch = next(batches)
                     state, metrics = step_fn(state, batch)
                     step = done = step + 1
+                    if first and self.events is not None:  # dispatched, not waited for
+                        self.events("first_step", step=step)
+                    first = False
                     watch.push(step, metrics.get("nonfinite"))
                     for cb in self.callbacks:
                         cb.on_step_end(self, step, state, metrics)
@@ -308,17 +335,28 @@ class Trainer:
                         batches = self._batches(step)
                         continue
                     if saving:
-                        self.save(ckpt, step, state)
+                        self._save_blocking(ckpt, step, state)
                     if preemption.should_stop(step):
                         self.preempted = preemption.requested
                         break
                 self._learn_skipped(watch, log)  # after a preemption: counted in the last save
                 self._final_save(ckpt, done, start_step, state)
+                if self.events is not None:
+                    self.events("preempted" if self.preempted else "end", step=done)
             finished = True
         finally:
             batches.close()
             self._end(ckpt, finished, log, done, state)
         return state, log.history
+
+    def _open_events(self, out_dir: Path | None) -> None:
+        """The event log of `out_dir` (process 0; none without a run dir), started once."""
+        if out_dir is None:
+            self.events = None
+            return
+        if self.events is None or self.events.run_dir != out_dir:
+            self.events = RunEvents(out_dir if jax.process_index() == 0 else None)
+        self.events.start()
 
     def _batches(self, step: int):
         """The batches of steps `step`.. (their data steps, fixed now: a rollback starts anew)."""
@@ -362,9 +400,7 @@ class Trainer:
         """The last step is saved (unless it already was) and every save has landed."""
         if ckpt is None:
             return
-        if ckpt.last_saved != done and done > start_step:
-            self.save(ckpt, done, state)
-        ckpt.wait()
+        self._save_blocking(ckpt, done, state, save=ckpt.last_saved != done and done > start_step, wait=True)
 
     def _end(self, ckpt, finished: bool, log: StepLog, done: int, state) -> None:
         if ckpt is not None and not finished:
@@ -415,6 +451,7 @@ def _mib(n: int) -> str:
 def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None = None) -> list[dict]:
     """What `jaxpar train` does: plan the resume (adapting the layout to the device count), print
     the resolved config, save it, compile, restore, train; save on SIGTERM/SIGINT and return."""
+    entered = time.time()  # the start event's time (written once process 0 is known)
     initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
     cfg = init_config(cfg)  # train.init_from fills model.* (saved in config.yaml, checked on resume)
     if cfg.checkpoint.enabled:  # a checkpoint dir that cannot be written fails before compiling
@@ -427,12 +464,15 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     for change in plan.changes:
         log(("resume: " if change.startswith("train.resume=") else "elastic resume: ") + change)
     out = cfg.out_dir
+    events = RunEvents(out if jax.process_index() == 0 else None)
+    events.start(time=entered)
     if jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(cfg.to_yaml())
         log("resolved config:\n" + cfg.to_yaml())
     extra = [PredictionReport(predicted, log)] if predicted is not None else []
-    trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg) + extra + list(callbacks or []))
+    trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg) + extra + list(callbacks or []),
+                      events=events)
     check_attention_fits(cfg, trainer.plan)  # nothing allocated yet, nothing compiled
     compiled = trainer.compile()
     check_step_fits(cfg, trainer.plan, compiled)  # before the state is allocated
