@@ -97,7 +97,8 @@ def _quote(name: str, value: str, spec: dict, line: str, col: int) -> str:
         inside = _quotes_before(line, col, '"') % 2 == 1
         return _yaml_escape(value) if inside else '"' + _yaml_escape(value) + '"'
     if _quotes_before(line, col, '"') % 2 or _quotes_before(line, col, "'") % 2:
-        raise RenderError(f"template: {{{{{name}}}}} is inside quotes; render quotes it itself, leave it bare")
+        raise RenderError(f"template: {{{{{name}}}}} is inside quotes; render quotes it itself, "
+                          f"leave it bare")
     if name in spec["words"]:
         try:
             return " ".join(shlex.quote(w) for w in shlex.split(value))

@@ -104,8 +104,8 @@ def one_node_slurm(d: Path, cpus: int | None = None):
         def node_idle() -> bool:
             for p in procs:
                 if p.poll() is not None:
-                    raise RuntimeError(f"one-node SLURM: {p.args[0]} exited with {p.returncode}: " + "\n".join(
-                        x.read_text(errors="replace")[-2000:] for x in logs if x.exists()))
+                    tails = "\n".join(x.read_text(errors="replace")[-2000:] for x in logs if x.exists())
+                    raise RuntimeError(f"one-node SLURM: {p.args[0]} exited with {p.returncode}: {tails}")
             r = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True, text=True)
             return r.returncode == 0 and r.stdout.strip() == "idle"
 

@@ -60,7 +60,8 @@ def _container(pod_spec: dict) -> tuple[dict, dict]:
 
 
 def test_jobset_with_kueue_labels_and_grace():
-    js = _docs("k8s/jobset.yaml", **JOB, QUEUE="team-a", PRIORITY_CLASS="jaxpar-high", GRACE_S="600")["JobSet"][0]
+    docs = _docs("k8s/jobset.yaml", **JOB, QUEUE="team-a", PRIORITY_CLASS="jaxpar-high", GRACE_S="600")
+    js = docs["JobSet"][0]
     assert js["apiVersion"].startswith("jobset.x-k8s.io/")
     labels = js["metadata"]["labels"]
     assert labels["kueue.x-k8s.io/queue-name"] == "team-a"
@@ -170,8 +171,9 @@ def test_slurm_values_cannot_inject(tmp_path):
     (work / "venv" / "bin" / "activate").write_text("")
     stubs = tmp_path / "bin"
     stubs.mkdir()
+    argv_file = str(tmp_path / "argv.json")
     (stubs / "srun").write_text(f"#!{sys.executable}\nimport json, sys\n"
-                                f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+                                f"open({argv_file!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
     (stubs / "srun").chmod(0o755)
     script = _render("slurm/jaxpar.sbatch", JOB_NAME="llm", NODES="1", CONFIG=EVIL, WORKDIR=str(work),
                      VENV="venv", RUN_DIR=EVIL, NCCL_SOCKET_IFNAME=EVIL, XLA_FLAGS=EVIL,
