@@ -75,6 +75,17 @@ def _wait(pred, timeout: float, what: str, logs: list[Path]) -> None:
         time.sleep(0.2)
 
 
+def _cancel_all(env: dict) -> None:
+    """End every job left (a failed test's), so no job step outlives the daemons."""
+    subprocess.run(["scancel", "--partition=check", "--full"], env=env, capture_output=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True)
+        if r.returncode != 0 or not r.stdout.strip():
+            return
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def one_node_slurm(d: Path, cpus: int | None = None):
     """Bring the cluster up in `d`, yield the environment its clients need, tear it down."""
@@ -112,6 +123,8 @@ def one_node_slurm(d: Path, cpus: int | None = None):
         _wait(node_idle, 60, "the node idle (sinfo)", logs)
         yield env
     finally:
+        if len(procs) == len(DAEMONS) and all(p.poll() is None for p in procs):
+            _cancel_all(env)
         for p in reversed(procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
