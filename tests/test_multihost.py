@@ -1,6 +1,7 @@
 """Multi-host pieces that need no training: where jax.distributed settings come from, clear
 errors (never a hang) for wrong ones, the local launcher's process handling (with small Python
-children), and the deploy/ templates. The training runs are in test_multihost_train.py."""
+children). The training runs are in test_multihost_train.py, the deploy/ templates in
+test_deploy.py."""
 import os
 import re
 import signal
@@ -11,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from jaxpar.config import ConfigError, DistributedConfig, make_config
 from jaxpar.distributed import DistributedError, initialize, resolve
@@ -261,47 +261,3 @@ def test_launch_restarts_and_shrinks_when_a_rank_cannot_come_back(tmp_path):
     assert rc == 3 and "no --max-restarts" in out, out
     rc, out = _launch(tmp_path, "config", "--max-restarts", "2")
     assert rc == 2 and "a configuration error" in out and "attempt 1" not in out, out
-
-
-# ---------------------------------------------------------------- deploy templates
-
-
-def _render(path: Path, **values) -> str:
-    sys.path.insert(0, str(ROOT / "deploy"))
-    try:
-        from render import render
-    finally:
-        sys.path.pop(0)
-    return render(path.read_text(), values)
-
-
-def test_templates_render_and_parse(tmp_path):
-    job = _render(ROOT / "deploy" / "k8s" / "jobset.yaml", NAME="llm", IMAGE="ghcr.io/me/jaxpar:1",
-                  NODES="4", GPUS_PER_NODE="8", CONFIG="configs/llama_1b.yaml", PVC="ckpt")
-    docs = [d for d in yaml.safe_load_all(job) if d]
-    js = next(d for d in docs if d["kind"] == "JobSet")
-    assert js["apiVersion"].startswith("jobset.x-k8s.io/")
-    rj = js["spec"]["replicatedJobs"][0]
-    spec = rj["template"]["spec"]
-    assert spec["parallelism"] == spec["completions"] == 4 and spec["completionMode"] == "Indexed"
-    c = spec["template"]["spec"]["containers"][0]
-    env = {e["name"]: e for e in c["env"]}
-    assert env["JAXPAR_NUM_PROCESSES"]["value"] == "4"
-    assert env["JAXPAR_COORDINATOR_ADDRESS"]["value"].startswith(f"llm-{rj['name']}-0-0.llm:")
-    assert "job-completion-index" in env["JAXPAR_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert c["command"][:3] == ["jaxpar", "train", "configs/llama_1b.yaml"]
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
-    assert not re.search(r"\{\{\s*[A-Z]", job)
-
-    script = _render(ROOT / "deploy" / "slurm" / "jaxpar.sbatch", JOB_NAME="llm", NODES="2", GPUS_PER_NODE="8",
-                     CONFIG="configs/llama_1b.yaml", WORKDIR="/home/me/jaxpar")
-    assert not re.search(r"\{\{\s*[A-Z]", script)
-    sb = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", script, re.M))
-    assert sb["nodes"] == "2" and sb["ntasks-per-node"] == "1" and sb["gpus-per-node"] == "8", sb
-    assert re.search(r"^srun .*jaxpar train configs/llama_1b.yaml", script, re.M), script
-    f = tmp_path / "job.sbatch"
-    f.write_text(script)
-    r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    with pytest.raises(KeyError, match="NODES"):
-        _render(ROOT / "deploy" / "slurm" / "jaxpar.sbatch", JOB_NAME="x")
