@@ -65,9 +65,13 @@ def test_eval_loss_same_on_one_device_and_2x2x2(tmp_path, devices):
 
 @pytest.mark.parametrize("layout", [("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"),
                                     ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
-                                     "sharding.replicated_tolerance=1.0")], ids=["moe-expert", "pipeline"])
+                                     "sharding.replicated_tolerance=1.0"),
+                                    ("mesh.data=2", "mesh.context=4")],
+                         ids=["moe-expert", "pipeline", "context-ring"])
 def test_eval_loss_other_layouts(tmp_path, devices, layout):
-    """Expert parallel (the all_to_all dispatch) and a pipeline mesh (its axis left to the compiler)."""
+    """Expert parallel (the all_to_all dispatch), a pipeline mesh (its axis left to the compiler)
+    and context parallelism (each device evaluates its part of each sequence: the ring's K/V
+    ppermutes are in the compiled eval step)."""
     corpus = tmp_path / "corpus"
     make_corpus(corpus)
     common = ("data.eval_fraction=0.3", "eval.every=1", "eval.batches=1")
@@ -76,8 +80,12 @@ def test_eval_loss_other_layouts(tmp_path, devices, layout):
     one = Trainer(text_cfg(corpus, *common, "mesh.data=1"), devices=devices[:1], log=QUIET)
     many = Trainer(text_cfg(corpus, *common, *layout), devices=devices, log=QUIET)
     got1 = one.evaluator(one.init_state()["params"])["eval_loss"]
-    got8 = many.evaluator(many.init_state()["params"])["eval_loss"]
+    state = many.init_state()
+    got8 = many.evaluator(state["params"])["eval_loss"]
     assert abs(got1 - got8) < 1e-5, (got1, got8)
+    if "mesh.context=4" in layout:
+        hlo = many.evaluator.eval_step.lower(state["params"], many.evaluator.loader.batch(0)).as_text()
+        assert "collective_permute" in hlo or "collective-permute" in hlo
 
 
 def _stream(cfg: DataConfig, split: str) -> bytes:

@@ -1,7 +1,8 @@
 """Held-out evaluation: the forward only (no gradients), on the training mesh and layout.
 
-The same shard_map as the train step (manual over the batch axes, the rest left to the
-compiler), the same forward (train/forward.py: casts, ZeRO-3 gathers, activation constraints,
+The same shard_map as the train step (manual over the batch axes, and over `context` when
+sequences are split: each device evaluates its part of each sequence, like the train step; the
+rest left to the compiler), the same forward (train/forward.py: casts, ZeRO-3 gathers, activation constraints,
 expert dispatch) and the same token NLL; only the backward and the update are missing. The eval
 batches are batches 0..eval.batches-1 of the held-out source (data.eval_fraction /
 data.eval_paths), the same ones at every evaluation.
@@ -9,12 +10,13 @@ data.eval_paths), the same ones at every evaluation.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.parallel.context import AXIS as CONTEXT_AXIS
 from jaxpar.parallel.sync import is_spec
 from jaxpar.sharding import Plan
 from jaxpar.train.batch import Batch, Documents
@@ -26,22 +28,26 @@ from jaxpar.train.precision import DTYPES
 
 def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, compute_dtype: str,
                    loss_sum_fn: Callable = cross_entropy_sum, loss_chunk: int | None = None,
-                   documents: Documents | None = None) -> Callable:
+                   documents: Documents | None = None, context: Any = None) -> Callable:
     """A jitted eval(params, tokens) -> (summed token NLL, counted targets) of the global
     [batch, seq + 1] batch (with `documents`, data.packing: the targets the train loss counts).
     `params` are the train state's params, in their plan (`param_specs`). The pipeline axis (if
-    any) is left to the compiler: the forward runs unstaged, the layer stack gathered by XLA."""
-    manual = frozenset(plan.batch_axes)
+    any) is left to the compiler: the forward runs unstaged, the layer stack gathered by XLA.
+    `context` (config.ContextConfig): how sequences split over mesh.context."""
     sizes = plan.mesh.shape
+    manual = frozenset(plan.batch_axes) | ({CONTEXT_AXIS} if sizes.get(CONTEXT_AXIS, 1) > 1 else set())
     busy = tuple(sorted(a for a in manual if sizes[a] > 1))  # sorted: the psum's rounding is fixed
-    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], "none", loss_chunk=loss_chunk)
+    forward = make_forward(model, plan, manual, DTYPES[compute_dtype], "none", loss_chunk=loss_chunk,
+                           context=context)
 
     as_batch = documents or Batch
 
     def local_loss(params, batch):
-        logits, _ = forward(params, batch.rows())  # whole sequences: eval does not split them
-        total = token_loss_sum(loss_sum_fn, logits, batch.targets, batch.weights)
-        out = (total, jnp.asarray(batch.token_count(), jnp.float32))
+        rows = forward.context.split(batch)  # this device's part of each sequence (or all of it)
+        logits, _ = forward(params, rows)
+        total = token_loss_sum(loss_sum_fn, logits, rows.targets, rows.weights)
+        count = rows.targets.size if rows.weights is None else rows.weights.sum()
+        out = (total, jnp.asarray(count, jnp.float32))
         return jax.lax.psum(out, busy) if busy else out
 
     param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), param_specs, is_leaf=is_spec)

@@ -117,7 +117,7 @@ class Trainer:
         cfg = self.cfg
         step = make_eval_step(self.model, self.plan, self.spec.param_specs, self.spec.batch_sharding,
                               compute_dtype=cfg.train.compute_dtype, loss_chunk=cfg.train.loss_chunk,
-                              documents=self.documents)
+                              documents=self.documents, context=cfg.context)
         return Evaluator(step, self._loader("eval"), cfg.eval.batches)
 
     def _loader(self, split: str) -> DataLoader:
