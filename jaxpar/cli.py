@@ -1,7 +1,8 @@
 """`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`, `jaxpar plot RUN_DIR...`,
 `jaxpar profile [RUN_DIR]`, `jaxpar convert from-hf|to-hf SRC DST`, `jaxpar data prepare|train-tokenizer`,
 `jaxpar generate RUN_OR_CKPT --prompt TEXT`,
-`jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
+`jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`,
+`jaxpar launch --ray [ADDRESS] --nodes N [--min-nodes M] -- train CONFIG ...`.
 
 User mistakes (bad config, bad checkpoint) print one clear message and exit 2, never a traceback.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from jaxpar.config import ConfigError, load_config
 
@@ -35,19 +37,38 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from jaxpar.launch import LaunchOptions, launch
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise ConfigError("jaxpar launch: give the command after --, e.g. "
                           "jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG")
+    if args.ray is not None:
+        return _launch_ray(args, command)
+    from jaxpar.launch import LaunchOptions, launch
+    if args.nprocs is None:
+        raise ConfigError("jaxpar launch: give --nprocs N (processes on this machine) or --ray [ADDRESS] "
+                          "--nodes N (one process per node of a Ray cluster)")
     if args.nprocs < 1 or args.devices_per_proc < 1:
         raise ConfigError("jaxpar launch: --nprocs and --devices-per-proc must be >= 1")
     if args.min_nprocs is not None and not 1 <= args.min_nprocs <= args.nprocs:
         raise ConfigError(f"jaxpar launch: --min-nprocs must be in 1..{args.nprocs}")
     return launch(LaunchOptions(args.nprocs, args.devices_per_proc, command, max_restarts=args.max_restarts,
                                 min_nprocs=args.min_nprocs, kill_timeout=args.kill_timeout, grace=args.grace))
+
+
+def _launch_ray(args: argparse.Namespace, command: list[str]) -> int:
+    from jaxpar.launch_ray import RayOptions, launch_ray
+    if args.nodes is None:
+        raise ConfigError(f"jaxpar launch --ray {args.ray}: give --nodes N (one jaxpar process per node)")
+    if args.nprocs is not None:
+        raise ConfigError(f"jaxpar launch: --nprocs {args.nprocs} is for one machine; with --ray the "
+                          f"processes are --nodes (one per node)")
+    return launch_ray(RayOptions(args.nodes, command, address=args.ray, min_nodes=args.min_nodes,
+                                 devices_per_node=args.devices_per_node, node_resource=args.node_resource,
+                                 run_dir=args.run_dir, max_restarts=args.max_restarts,
+                                 kill_timeout=args.kill_timeout, grace=args.grace,
+                                 node_timeout=args.node_timeout))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -182,7 +203,21 @@ def build_parser() -> argparse.ArgumentParser:
     dt.set_defaults(fn=_data)
     la = sub.add_parser("launch", help="N local processes x K CPU devices on jax.distributed "
                         "(jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG ...)")
-    la.add_argument("--nprocs", type=int, required=True, help="processes to start")
+    la.add_argument("--nprocs", type=int, default=None, help="processes to start on this machine")
+    la.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                    help="one process per node of a Ray cluster (ADDRESS: its head host:port; alone: "
+                    "RAY_ADDRESS or the cluster on this machine); elastic, see jaxpar/launch_ray.py")
+    la.add_argument("--nodes", type=int, default=None, help="with --ray: nodes (processes) to run on")
+    la.add_argument("--min-nodes", type=int, default=None,
+                    help="with --ray: go on with this few nodes after losing some (default: --nodes)")
+    la.add_argument("--devices-per-node", type=int, default=None,
+                    help="with --ray: K forced CPU devices per process (default: the node's accelerators)")
+    la.add_argument("--node-resource", default="jaxpar_node",
+                    help="with --ray: the custom resource each node offers once (ray start --resources)")
+    la.add_argument("--run-dir", type=Path, default=None,
+                    help="with --ray, for a program that is not `train CONFIG`: its run dir (events, checkpoints)")
+    la.add_argument("--node-timeout", type=float, default=600.0,
+                    help="with --ray: seconds to wait for --min-nodes before giving up")
     la.add_argument("--devices-per-proc", type=int, default=1, help="CPU devices of each process")
     la.add_argument("--max-restarts", type=int, default=0,
                     help="restart the group this many times after a failure (it resumes from its checkpoint)")
