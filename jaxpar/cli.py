@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--node-resource", default="jaxpar_node",
                     help="with --ray: the custom resource each node offers once (ray start --resources)")
     la.add_argument("--run-dir", type=Path, default=None,
-                    help="with --ray, for a program that is not `train CONFIG`: its run dir (events, checkpoints)")
+                    help="with --ray, for a program that is not `train CONFIG`: its run dir "
+                    "(events, checkpoints)")
     la.add_argument("--node-timeout", type=float, default=600.0,
                     help="with --ray: seconds to wait for --min-nodes before giving up")
     la.add_argument("--devices-per-proc", type=int, default=1, help="CPU devices of each process")

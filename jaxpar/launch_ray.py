@@ -295,7 +295,8 @@ class RayLauncher:
                     grow_after = self.latest_checkpoint() or 0
                     self.say(f"{self.nodes_up()} nodes up, the group has {n}: growing after the next "
                              f"checkpoint (after step {grow_after})")
-                if grow_after is not None and (self.ckpt_dir is None or (self.latest_checkpoint() or 0) > grow_after):
+                saved = self.ckpt_dir is None or (self.latest_checkpoint() or 0) > (grow_after or 0)
+                if grow_after is not None and saved:
                     reason = "grow"
                     self.say(f"checkpoint of step {self.latest_checkpoint()} saved: stopping the group "
                              f"(SIGTERM) to restart it on more nodes")
@@ -345,7 +346,8 @@ class RayLauncher:
                 self.event("group_end", attempt=attempt, reason=reason)
                 attempt += 1
                 if reason == "done" or (reason == "signal" and all(c == 0 for c in codes)):
-                    self.say(f"all {n} processes finished" + (f" (stopped by {self.signal})" if self.signal else ""))
+                    by = f" (stopped by {self.signal})" if self.signal else ""
+                    self.say(f"all {n} processes finished{by}")
                     return 0
                 code = next((c for c in codes if c not in (None, 0)), 1)
                 status = code if code > 0 else 128 - code
