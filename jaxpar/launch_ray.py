@@ -12,10 +12,12 @@ prefixed with its rank, its own lines with `[ray]`.
 - SIGTERM / SIGINT of the driver: forwarded to every process; jax's preemption sync point makes
   them all save at one step and exit 0 (killed after `--grace` s).
 - A lost node (Ray reports its actor dead): the rest are killed (a save needs every process) and
-  the group starts again on the nodes that remain, down to `--min-nodes`; `train.resume=auto`
+  the group starts again on the nodes that remain, down to `--min-nodes` (default N: it waits up
+  to `--node-timeout` s for nodes to come back); `train.resume=auto`
   resumes the latest checkpoint and elastic resume adapts mesh and grad_accum (global batch kept).
 - More nodes than the group uses (a node came back): the driver waits for the run's next
-  checkpoint, stops the group (SIGTERM: save, exit 0) and starts it on up to N nodes.
+  checkpoint (no run dir known: it does not wait), stops the group (SIGTERM: save, exit 0) and
+  starts it on up to N nodes.
 - Another failure restarts the group `--max-restarts` times; exit code 2 (a config error) never.
 
 `--devices-per-node K` forces K CPU devices per process (tests, CPU clusters); without it each

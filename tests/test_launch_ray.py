@@ -261,6 +261,48 @@ def test_run_dir_and_checkpoints_come_from_the_train_config(work, tmp_path):
         run_paths(["train", str(work / "rr.yaml"), "train.stepz=3"], None)
 
 
+class _FakeRay:
+    """What RayLauncher asks of `ray` before it places anything: the nodes, one list per call."""
+
+    def __init__(self, counts):
+        self.counts = list(counts)
+
+    def nodes(self):
+        n = self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]
+        return ([{"Alive": True, "Resources": {"jaxpar_node": 1.0}}] * n
+                + [{"Alive": False, "Resources": {}}, {"Alive": True, "Resources": {"CPU": 1.0}}])
+
+    def shutdown(self):
+        pass
+
+
+def _events(run_dir: Path) -> list[tuple]:
+    from jaxpar.observe.events import read_events
+    return [(e["event"], e["source"], e.get("have"), e.get("want")) for e in read_events(run_dir)]
+
+
+def test_too_few_nodes_waits_and_records_it(tmp_path):
+    """Nodes without the resource, or dead, do not count; the wait goes into the event log."""
+    import io
+    from jaxpar.launch_ray import RayLauncher, RayOptions
+    la = RayLauncher(RayOptions(2, ["python", "x.py"], run_dir=tmp_path), out=io.BytesIO())
+    la.ray = _FakeRay([1, 1, 2])
+    assert la.wait_nodes(2) == 2
+    assert _events(tmp_path) == [("wait_nodes_start", "ray", 1, 2), ("wait_nodes_end", "ray", 2, None)]
+
+
+def test_no_nodes_within_the_node_timeout_fails_the_run(tmp_path, monkeypatch):
+    import io
+    from jaxpar import launch_ray
+    monkeypatch.setattr(launch_ray, "import_ray", lambda: _FakeRay([0]))
+    monkeypatch.setattr(launch_ray, "connect", lambda ray, address: None)
+    out = io.BytesIO()
+    opts = launch_ray.RayOptions(2, ["python", "x.py"], min_nodes=1, run_dir=tmp_path, node_timeout=0.5)
+    assert launch_ray.launch_ray(opts, out) == 1
+    assert "[ray] fewer than 1 nodes for --node-timeout 0.5s; exit 1" in out.getvalue().decode()
+    assert _events(tmp_path) == [("wait_nodes_start", "ray", 0, 1), ("wait_nodes_end", "ray", 0, None)]
+
+
 # ---------------------------------------------------------------- the driver (each process)
 
 
