@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--output", required=True, help="the tokenizer.json to write")
     dt.set_defaults(fn=_data)
     la = sub.add_parser("launch", help="N local processes x K CPU devices on jax.distributed "
-                        "(jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG ...)")
+                        "(jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG ...), or one "
+                        "per node of a Ray cluster (jaxpar launch --ray [ADDRESS] --nodes N -- ...)")
     la.add_argument("--nprocs", type=int, default=None, help="processes to start on this machine")
     la.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
                     help="one process per node of a Ray cluster (ADDRESS: its head host:port; alone: "

@@ -245,7 +245,10 @@ class RayLauncher:
             return "node_lost", [None] * n
         finally:
             for a in actors:
-                ray.kill(a, no_restart=True)  # its child dies with it
+                try:
+                    ray.kill(a, no_restart=True)  # its child dies with it
+                except ray.exceptions.RayError:
+                    pass
             remove_placement_group(pg)
 
     def watch(self, actors, n: int) -> tuple[str, list[int | None]]:
@@ -253,7 +256,7 @@ class RayLauncher:
         codes: list[int | None] = [None] * n
         dead: set[int] = set()
         reason = None
-        stop_at = kill_at = None
+        kill_at = None
         grow_after: int | None = None   # a node came back: stop after the checkpoint after this step
         next_look = 0.0
         while True:

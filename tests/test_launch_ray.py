@@ -36,6 +36,8 @@ checkpoint: {{every: 2, keep_last: 3}}
 MB = 2 ** 20
 NODE = dict(num_cpus=1, resources={"jaxpar_node": 1}, object_store_memory=80 * MB)
 SLEEP = {"2": 0.3, "1": 1.5}  # seconds per step by process count
+# the tests on the cluster share one xdist worker, so one cluster (`make test`: -n 2 --dist loadgroup)
+on_cluster = pytest.mark.xdist_group("launch_ray")
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +66,12 @@ def cluster(work):
 
 @pytest.fixture(scope="module")
 def reference(work, devices):
-    """1 process x 8 devices, uninterrupted, no checkpoints: {step: loss}."""
+    """1 process x 8 devices, uninterrupted, no checkpoints: {step: (loss, gradient norm)}."""
     import yaml
     from jaxpar.train.trainer import Trainer
     cfg = make_config(yaml.safe_load(CONFIG), [f"run_dir={work / 'ref'}", "checkpoint.enabled=false"])
     _, history = Trainer(cfg).fit(progress=False)
-    return {h["step"]: h["loss"] for h in history}
+    return {h["step"]: (h["loss"], h["grad_norm"]) for h in history}
 
 
 def drive(cluster, work: Path, run_dir: Path, *opts: str, on_line=None, timeout=300):
@@ -107,16 +109,19 @@ def text(lines) -> str:
     return "\n".join(x for _, x in lines)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """{step: (loss, gradient norm)} from the run's metrics.jsonl, whose steps must not repeat."""
     recs = [json.loads(x) for x in (run_dir / "rr" / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in recs]
     assert steps == sorted(set(steps)), f"metrics.jsonl steps not one clean sequence: {steps}"
-    return {r["step"]: r["loss"] for r in recs}
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in recs}
 
 
-def close(got: dict[int, float], ref: dict[int, float], steps) -> None:
+def close(got: dict, ref: dict, steps) -> None:
+    """Loss and gradient norm of each step within 1e-5 (relative) of the reference."""
     for s in steps:
-        assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (s, got[s], ref[s])
+        for g, r in zip(got[s], ref[s]):
+            assert abs(g - r) <= 1e-5 * abs(r), (s, got[s], ref[s])
 
 
 def launcher_events(run_dir: Path) -> list[dict]:
@@ -130,6 +135,7 @@ def finalized(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@on_cluster
 def test_sigterm_to_the_driver_stops_every_node_at_one_step_with_a_checkpoint(cluster, work, reference):
     run, sent = work / "sig", []
 
@@ -159,6 +165,7 @@ def test_sigterm_to_the_driver_stops_every_node_at_one_step_with_a_checkpoint(cl
 
 
 @pytest.mark.slow
+@on_cluster
 def test_lost_node_shrinks_the_run_and_a_returning_node_grows_it_back(cluster, work, reference):
     """The node of rank 1 is removed after step 3 (once a checkpoint is whole): the run goes on on 1 node from the latest
     checkpoint, then a new node joins; after the next checkpoint the group stops (SIGTERM, save)
