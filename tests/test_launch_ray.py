@@ -310,6 +310,65 @@ def test_no_nodes_within_the_node_timeout_fails_the_run(tmp_path, monkeypatch):
     assert _events(tmp_path) == [("wait_nodes_start", "ray", 0, 1), ("wait_nodes_end", "ray", 0, None)]
 
 
+class _ActorGone(Exception):
+    pass
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn  # the "object ref" is the value itself (or the error `get` raises)
+
+
+class _FakeActor:
+    """A node's actor as `watch` sees it: poll() -> (lines, code), send(sig); `code` after `exit_on`
+    (a signal), or a dead actor when `gone`."""
+
+    def __init__(self, code=None, exit_on=None, gone=False):
+        self.code, self.exit_on, self.gone, self.got = code, exit_on, gone, []
+        self.poll = _Method(lambda: _ActorGone() if self.gone else ([], self.code))
+        self.send = _Method(self._signal)
+
+    def _signal(self, sig):
+        self.got.append(signal.Signals(sig).name)
+        if self.exit_on is not None and sig in self.exit_on:
+            self.code = -sig if sig == signal.SIGKILL else 0
+
+
+def _watching(actors, nodes_up):
+    import io
+    from types import SimpleNamespace
+    from jaxpar.launch_ray import RayLauncher, RayOptions
+    la = RayLauncher(RayOptions(len(actors), ["python", "x.py"], kill_timeout=0.2, poll=0.01), out=io.BytesIO())
+
+    def get(x, timeout=None):
+        if isinstance(x, Exception):
+            raise x
+        return x
+    la.ray = SimpleNamespace(get=get, nodes=_FakeRay([nodes_up]).nodes, exceptions=SimpleNamespace(
+        RayActorError=_ActorGone, GetTimeoutError=TimeoutError, RayError=Exception))
+    reason, codes = la.watch(actors, len(actors))
+    return reason, codes, la.out.getvalue().decode()
+
+
+def test_a_failed_rank_stops_the_others_with_sigterm_then_sigkill():
+    ok, stubborn, bad = (_FakeActor(exit_on={signal.SIGTERM}), _FakeActor(exit_on={signal.SIGKILL}),
+                         _FakeActor(code=1))
+    reason, codes, out = _watching([ok, stubborn, bad], nodes_up=3)
+    assert reason == "failed" and codes == [0, -9, 1], out
+    assert ok.got == ["SIGTERM"] and stubborn.got[:2] == ["SIGTERM", "SIGKILL"], (ok.got, stubborn.got)
+    assert "rank 2 failed (exit code 1); stopping the others" in out
+
+
+def test_a_dead_actor_is_a_lost_node_and_the_others_are_killed_at_once():
+    survivor, lost = _FakeActor(exit_on={signal.SIGKILL}), _FakeActor(gone=True)
+    reason, codes, out = _watching([survivor, lost], nodes_up=1)
+    assert reason == "node_lost" and survivor.got == ["SIGKILL"], (reason, survivor.got, out)
+    assert "group ended (node_lost): rank 0 killed by SIGKILL, rank 1 node lost" in out
+    # a process that failed before Ray reported its peer's node gone: still a lost node
+    reason, _, out = _watching([_FakeActor(code=1), _FakeActor(exit_on={signal.SIGTERM})], nodes_up=1)
+    assert reason == "node_lost", out
+
+
 # ---------------------------------------------------------------- the driver (each process)
 
 
