@@ -129,7 +129,7 @@ def _data(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from jaxpar.generate import generate_text
     print(generate_text(args.src, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                        top_p=args.top_p, seed=args.seed))
+                        top_p=args.top_p, seed=args.seed, devices=args.devices))
     return 0
 
 
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
     ge.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: keep this probability mass")
     ge.add_argument("--seed", type=int, default=0)
+    ge.add_argument("--devices", type=int, default=1,
+                    help="decode tensor-parallel over this many local devices (heads split over them)")
     ge.set_defaults(fn=_generate)
     da = sub.add_parser("data", help="jaxpar data prepare | train-tokenizer")
     da_sub = da.add_subparsers(dest="action", required=True)

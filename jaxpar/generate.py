@@ -1,7 +1,10 @@
 """`jaxpar generate RUN_OR_CKPT --prompt TEXT`: sample from a checkpoint with a KV cache.
 
-The params are restored onto one local device, whatever layout they were saved in (orbax
-reshards), in the run's train.param_dtype. Decoding is the model's `decode` path
+The params are restored onto the local devices asked for (`--devices N`, default 1), whatever
+layout they were saved in (orbax reshards), in the run's train.param_dtype: on N devices they and
+the KV cache are split over heads (tensor parallel, by the run's own sharding rules) and the
+compiler partitions the decode. Dense Llama and MoE models alike (an MoE layer decodes dropless:
+a token's output never depends on which tokens share its step). Decoding is the model's `decode` path
 (models/llama.py): the prompt in one jitted call (prefill), then one jitted call per token, each
 writing its keys and values into the cache. Temperature 0 is greedy (argmax); otherwise the
 logits are divided by the temperature and sampled from the smallest set of tokens whose
@@ -24,10 +27,14 @@ from jaxpar.checkpoint import CheckpointError, read_config, restore_params
 from jaxpar.config import Config, ConfigError
 from jaxpar.data import text
 from jaxpar.data.tokenizer import Tokenizer
+from jaxpar.config import MeshConfig
 from jaxpar.hf.init import checkpoint_step_dir
+from jaxpar.mesh import build_mesh
+from jaxpar.parallel import expert  # noqa: F401 (the local MoE dispatch the decode uses)
+from jaxpar.sharding import Plan
+from jaxpar.train.builtin import init_cache, model_class
 from jaxpar.train.model import ModelDef
 from jaxpar.train.precision import DTYPES
-from models.llama import Llama, init_cache
 
 
 @dataclass(frozen=True)
@@ -68,12 +75,52 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax
     return jnp.where(temperature <= 0, greedy, drawn).astype(jnp.int32)
 
 
-class Generator:
-    """Decoding from `params` (a Llama's, any placement) with a KV cache of `context` tokens."""
+@dataclass(frozen=True)
+class Placement:
+    """Where decoding runs: one device, or a tensor-parallel mesh of local devices."""
 
-    def __init__(self, model_cfg, params, context: int, dtype=jnp.float32):
+    params: Any        # a sharding per param (the model's tree)
+    cache: Any         # the sharding of every KV-cache leaf
+
+
+def model_def(model_cfg) -> ModelDef:
+    cls = model_class(model_cfg)
+    return ModelDef.from_factory(lambda rngs: cls(model_cfg, rngs))
+
+
+def placement(cfg: Config, devices: int = 1) -> Placement:
+    """The params split over `devices` local devices by the run's rules for `heads`, `mlp`,
+    `vocab` (all on mesh.tensor); one device: everything on the first."""
+    local = jax.local_devices()
+    model = model_def(cfg.model)
+    if devices == 1:
+        one = SingleDeviceSharding(local[0])
+        return Placement(jax.tree.map(lambda _: one, model.shapes), one)
+    plan = Plan(build_mesh(MeshConfig(data=1, tensor=devices), local[:devices]),
+                cfg.sharding.resolved_rules(), zero_stage=0)
+    try:
+        specs = plan.tree_specs(model.axes, model.shapes, "param")
+        cache = plan.spec(("layers", "batch", "seq", "kv_heads", "head_dim"),
+                          (1, 1, 1, cfg.model.n_kv_heads, 1), "param", "the KV cache")
+    except ConfigError as e:
+        raise ConfigError(f"generate: --devices {devices} cannot split this model: {e}; "
+                          f"valid: {valid_device_counts(cfg.model, len(local))}") from None
+    return Placement(jax.tree.map(plan.sharding, specs), plan.sharding(cache))
+
+
+def valid_device_counts(model_cfg, local: int) -> list[int]:
+    dims = (model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.vocab_size, model_cfg.ffn_dim)
+    return [n for n in range(1, local + 1) if all(d % n == 0 for d in dims)]
+
+
+class Generator:
+    """Decoding from `params` (a Llama's or MoELlama's, any placement) with a KV cache of
+    `context` tokens, placed by `cache_sharding` (default: where jax puts it)."""
+
+    def __init__(self, model_cfg, params, context: int, dtype=jnp.float32, cache_sharding=None):
         self.model_cfg, self.params, self.context, self.dtype = model_cfg, params, context, dtype
-        self.model = ModelDef.from_factory(lambda rngs: Llama(model_cfg, rngs))
+        self.cache_sharding = cache_sharding
+        self.model = model_def(model_cfg)
 
         def run(params, tokens, cache, pos):
             logits, cache = self.model.merge(self.model.state(params)).decode(tokens, cache, pos)
@@ -104,6 +151,8 @@ class Generator:
                               f">= 0 and --max-tokens {max_tokens} >= 0")
         length = min(self.context, n + max_tokens)
         cache = init_cache(self.model_cfg, 1, length, self.dtype)
+        if self.cache_sharding is not None:
+            cache = jax.device_put(cache, self.cache_sharding)
         logits, cache = self._prefill(self.params, jnp.asarray(prompt[None]), cache, jnp.int32(0))
         all_logits = [np.asarray(logits[0])]
         key = jax.random.key(seed)
@@ -123,30 +172,32 @@ class Generator:
         return np.array(out, np.int32), np.concatenate(all_logits)[: n + len(out) - 1]
 
 
-def load(src: str | Path) -> tuple[Config, Any, Path]:
-    """(the run's config, its params on one local device, the step dir) of a run dir, its
-    checkpoints dir or one step dir (the latest complete step unless one is named)."""
+def load(src: str | Path, devices: int = 1) -> tuple[Config, Any, Path, Placement]:
+    """(the run's config, its params on `devices` local devices, the step dir, their placement)
+    of a run dir, its checkpoints dir or one step dir (the latest complete step unless one is
+    named)."""
     step_dir = checkpoint_step_dir(src, what="generate")
     try:
         cfg = Config.model_validate(read_config(step_dir))
     except Exception:  # noqa: BLE001 (pydantic: the saved config is not ours)
         raise CheckpointError(f"generate: {step_dir} has no valid saved config") from None
-    if cfg.model.moe.num_experts:
-        raise ConfigError("generate: mixture-of-experts models (model.moe.num_experts > 0) have no "
-                          "decode path yet; only dense Llama models")
-    shapes = ModelDef.from_factory(lambda rngs: Llama(cfg.model, rngs)).shapes
-    where = SingleDeviceSharding(jax.local_devices()[0])
+    local = len(jax.local_devices())
+    if not 1 <= devices <= local:
+        raise ConfigError(f"generate: --devices {devices} must be between 1 and the {local} local "
+                          f"devices; valid for this model: {valid_device_counts(cfg.model, local)}")
+    where = placement(cfg, devices)
     dtype = DTYPES[cfg.train.param_dtype]
-    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=where), shapes)
-    return cfg, restore_params(step_dir, abstract), step_dir
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh),
+                            model_def(cfg.model).shapes, where.params)
+    return cfg, restore_params(step_dir, abstract), step_dir, where
 
 
 def generate_text(src: str | Path, prompt: str, max_tokens: int = 200, temperature: float = 0.8,
-                  top_p: float = 0.95, seed: int = 0) -> str:
+                  top_p: float = 0.95, seed: int = 0, devices: int = 1) -> str:
     """What `jaxpar generate` prints: the prompt and its continuation."""
-    cfg, params, _ = load(src)
+    cfg, params, _, where = load(src, devices)
     codec = codec_for(cfg)
-    gen = Generator(cfg.model, params, cfg.train.seq_len, DTYPES[cfg.train.param_dtype])
+    gen = Generator(cfg.model, params, cfg.train.seq_len, DTYPES[cfg.train.param_dtype], where.cache)
     ids, _ = gen.generate(codec.encode(prompt), max_tokens, temperature, top_p, seed, codec.eos_id)
     if codec.eos_id is not None and len(ids) and ids[-1] == codec.eos_id:
         ids = ids[:-1]

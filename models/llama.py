@@ -135,18 +135,46 @@ class Block(nnx.Module):
         x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
         return constrain(x, RESIDUAL)
 
-    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: dict, pos: jax.Array):
-        """One layer on tokens at positions pos.. (cos/sin: theirs), attending to the cache;
-        returns (x, the cache with their keys and values written at pos..)."""
+    def decode_attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: dict, pos: jax.Array):
+        """The attention half of a layer on tokens at positions pos.. (cos/sin: theirs), attending
+        to the cache: (x after the attention's residual, the cache with their keys and values
+        written at pos..)."""
         q, k, v = self.qkv(rms_norm(x, self.attn_norm[...], self.eps), cos, sin)
         ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), pos, axis=1)
         cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), pos, axis=1)
         # query i (at pos + i) sees the cached keys 0..pos + i: causal, and blind to unwritten slots
         seen = jnp.arange(ck.shape[1])[None, :] <= pos + jnp.arange(x.shape[1])[:, None]
         o = jax.nn.dot_product_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask=seen[None, None])
-        x = x + jnp.einsum("bshk,hkd->bsd", o, self.wo[...])
-        x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
-        return x, {"k": ck, "v": cv}
+        return x + jnp.einsum("bshk,hkd->bsd", o, self.wo[...]), {"k": ck, "v": cv}
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: dict, pos: jax.Array):
+        """One layer on tokens at positions pos.., attending to the cache: (x, the new cache)."""
+        x, cache = self.decode_attention(x, cos, sin, cache, pos)
+        return x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps)), cache
+
+
+def decode_layers(model, tokens: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
+    """Incremental decoding through a model's stacked `layers` (each with a `decode(x, cos, sin,
+    cache, pos)`) and its `logits`: the decode path of Llama and MoELlama alike."""
+    cfg = model.cfg
+    x = jnp.take(model.embed[...], tokens, axis=0)
+    length = jax.tree.leaves(cache)[0].shape[2]  # every cache leaf: [layers, batch, length, ...]
+    cos, sin = model_rope(cfg, length)
+    cos, sin = (jax.lax.dynamic_slice_in_dim(t, pos, tokens.shape[1], axis=0) for t in (cos, sin))
+    graphdef, state = nnx.split(model.layers)
+
+    def body(h, layer_and_cache):
+        layer_state, layer_cache = layer_and_cache
+        return nnx.merge(graphdef, layer_state).decode(h, cos, sin, layer_cache, pos)
+
+    x, cache = jax.lax.scan(body, x, (state, cache))
+    return model.logits(x), cache
+
+
+def kv_cache(cfg, layers: int, batch: int, length: int, dtype) -> dict:
+    """One stack of keys and values: k, v [layers, batch, length, kv_heads, head_dim]."""
+    shape = (layers, batch, length, cfg.n_kv_heads, cfg.head_dim or cfg.dim // cfg.n_heads)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 class Llama(nnx.Module):
@@ -181,24 +209,12 @@ class Llama(nnx.Module):
         """Incremental decoding: tokens [batch, s] at positions pos..pos+s-1, given the keys and
         values of positions < pos in `cache` (init_cache) -> (logits [batch, s, vocab], the
         cache with these positions added). The same math as __call__, which training uses."""
-        cfg = self.cfg
-        x = jnp.take(self.embed[...], tokens, axis=0)
-        cos, sin = model_rope(cfg, cache["k"].shape[2])
-        cos, sin = (jax.lax.dynamic_slice_in_dim(t, pos, tokens.shape[1], axis=0) for t in (cos, sin))
-        graphdef, state = nnx.split(self.layers)
-
-        def body(h, layer_and_cache):
-            layer_state, layer_cache = layer_and_cache
-            return nnx.merge(graphdef, layer_state).decode(h, cos, sin, layer_cache, pos)
-
-        x, cache = jax.lax.scan(body, x, (state, cache))
-        return self.logits(x), cache
+        return decode_layers(self, tokens, cache, pos)
 
 
 def init_cache(cfg, batch: int, length: int, dtype=jnp.float32) -> dict:
     """An empty KV cache for Llama.decode: k, v [layers, batch, length, kv_heads, head_dim]."""
-    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim or cfg.dim // cfg.n_heads)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return kv_cache(cfg, cfg.n_layers, batch, length, dtype)
 
 
 def param_count(cfg) -> int:

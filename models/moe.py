@@ -23,7 +23,7 @@ from flax import nnx
 from jaxpar import nn
 from jaxpar.nn import constrain, param, scan_layers
 from jaxpar.registry import PRESETS as PRESET_REGISTRY
-from models.llama import RESIDUAL, Block, init_attention, model_rope, rms_norm
+from models.llama import RESIDUAL, Block, Llama, decode_layers, init_attention, kv_cache, model_rope, rms_norm
 
 # Mixtral 8x7B (published): 46,702,792,704 parameters, 12,879,925,248 active per token
 # (2 of 8 experts); `param_count` / `active_param_count` give them, the tests check both.
@@ -97,8 +97,10 @@ class MoE(nnx.Module):
         gates = top_p / top_p.sum(-1, keepdims=True) if normalize else top_p
         return logits, probs, idx, gates
 
-    def __call__(self, h: jax.Array) -> tuple[jax.Array, dict]:
-        """h [batch, seq, embed] -> (y, aux) with aux as in AUX_KEYS (this layer's values)."""
+    def __call__(self, h: jax.Array, dispatch: str | None = None) -> tuple[jax.Array, dict]:
+        """h [batch, seq, embed] -> (y, aux) with aux as in AUX_KEYS (this layer's values).
+        `dispatch` overrides moe.dispatch (decoding is dropless: a token's output never depends
+        on which other tokens share its step)."""
         m = self.moe
         logits, probs, idx, gates = self.route(h)
         wg, wu, wd = self.w_gate[...], self.w_up[...], self.w_down[...]
@@ -106,7 +108,7 @@ class MoE(nnx.Module):
             h, idx, gates.astype(h.dtype),
             lambda x: swiglu_experts(x, wg, wu, wd),
             lambda rows, sizes: swiglu_ragged(rows, sizes, wg, wu, wd),
-            num_experts=m.num_experts, dispatch=m.dispatch, capacity_factor=m.capacity_factor)
+            num_experts=m.num_experts, dispatch=dispatch or m.dispatch, capacity_factor=m.capacity_factor)
         if m.shared_expert:
             g = jnp.einsum("bsd,df->bsf", h, self.shared_gate[...])
             u = jnp.einsum("bsd,df->bsf", h, self.shared_up[...])
@@ -125,7 +127,7 @@ class MoEBlock(nnx.Module):
         init_attention(self, cfg, num_layers, rngs)
         self.moe = MoE(cfg, num_layers, rngs)
 
-    qkv, attention = Block.qkv, Block.attention
+    qkv, attention, decode_attention = Block.qkv, Block.attention, Block.decode_attention
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -133,6 +135,12 @@ class MoEBlock(nnx.Module):
         x = constrain(x, RESIDUAL)
         y, aux = self.moe(rms_norm(x, self.mlp_norm[...], self.eps))
         return constrain(x + y, RESIDUAL), aux
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: dict, pos: jax.Array):
+        """As models.llama.Block.decode, the MLP the experts' (dropless)."""
+        x, cache = self.decode_attention(x, cos, sin, cache, pos)
+        y, _ = self.moe(rms_norm(x, self.mlp_norm[...], self.eps), dispatch="dropless")
+        return x + y, cache
 
 
 class Group(nnx.Module):
@@ -150,6 +158,18 @@ class Group(nnx.Module):
             x = getattr(self, f"dense{i}")(x, cos, sin, segment_ids)
         x, aux = self.moe_layer(x, cos, sin, segment_ids)
         return x, jax.tree.map(jnp.add, acc, aux)
+
+    def decode(self, x, cos, sin, cache: dict, pos):
+        """The group's layers in order, each with its own keys and values in `cache[name]`."""
+        new = {}
+        for name in group_layer_names(self.n_dense + 1):
+            x, new[name] = getattr(self, name).decode(x, cos, sin, cache[name], pos)
+        return x, new
+
+
+def group_layer_names(every_n: int) -> list[str]:
+    """The attribute names of a Group's layers, in order."""
+    return [f"dense{i}" for i in range(every_n - 1)] + ["moe_layer"]
 
 
 class MoELlama(nnx.Module):
@@ -179,8 +199,20 @@ class MoELlama(nnx.Module):
         nn.sow("moe/z_loss", acc["z"], loss_weight=m.z_loss_coef)
         nn.sow("moe/dropped_fraction", acc["dropped"])
         nn.sow("moe/load", acc["load"])
-        x = rms_norm(x, self.norm[...], cfg.norm_eps)
-        return nn.head(x, self.embed[...].T if cfg.tie_embeddings else self.head[...])
+        return self.logits(x)
+
+    logits = Llama.logits
+
+    def decode(self, tokens: jax.Array, cache: dict, pos: jax.Array) -> tuple[jax.Array, dict]:
+        """As models.llama.Llama.decode (the cache from moe.init_cache); router losses not sown."""
+        return decode_layers(self, tokens, cache, pos)
+
+
+def init_cache(cfg, batch: int, length: int, dtype=jnp.float32) -> dict:
+    """An empty KV cache for MoELlama.decode: per layer of a group, k, v [groups, batch, length,
+    kv_heads, head_dim]."""
+    groups = cfg.n_layers // cfg.moe.every_n
+    return {name: kv_cache(cfg, groups, batch, length, dtype) for name in group_layer_names(cfg.moe.every_n)}
 
 
 def _counts(cfg) -> tuple[int, int, int]:

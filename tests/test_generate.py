@@ -10,24 +10,29 @@ from conftest import tiny_config
 from jaxpar.cli import main
 from jaxpar.config import ConfigError
 from jaxpar.data import decode, encode
-from jaxpar.generate import Generator, sample
-from jaxpar.train.model import ModelDef
+from jaxpar.generate import Generator, model_def, sample
 from jaxpar.train.trainer import Trainer
-from models.llama import Llama
 
 QUIET = lambda s: None
 
 
 def full_logits(model_cfg, params, ids):
     """The training forward (no cache) on the whole sequence, float64 on the host."""
-    model = ModelDef.from_factory(lambda rngs: Llama(model_cfg, rngs))
+    model = model_def(model_cfg)
     return np.asarray(model.merge(model.state(params))(jnp.asarray(ids)[None])[0], np.float64)
 
 
-@pytest.mark.parametrize("extra", [(), ("model.tie_embeddings=true", "model.n_kv_heads=1")])
+# MoE: a dense layer then an MoE one per group (every_n=2), dropless in training too (with a
+# capacity, the full forward would drop what decoding, one token at a time, never drops)
+MOE = ("model.n_layers=4", "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.every_n=2",
+       "model.moe.dispatch=dropless")
+
+
+@pytest.mark.parametrize("extra", [(), ("model.tie_embeddings=true", "model.n_kv_heads=1"), MOE],
+                         ids=["llama", "tied-mqa", "moe"])
 def test_cached_decode_equals_full_forward(extra):
     cfg = tiny_config("model.init_std=0.1", *extra)
-    model = ModelDef.from_factory(lambda rngs: Llama(cfg.model, rngs))
+    model = model_def(cfg.model)
     params = jax.jit(model.init, static_argnums=0)(3)
     gen = Generator(cfg.model, params, context=32)
     prompt = np.array([5, 17, 200, 3, 99, 42, 7], np.int32)
@@ -80,6 +85,15 @@ def test_generate_cli_reads_a_sharded_checkpoint(tmp_path, devices, capsys):
     assert main(["generate", str(tmp_path / "run"), "--prompt", prompt, "--max-tokens", "6",
                  "--temperature", "0"]) == 0
     assert capsys.readouterr().out == want + "\n"
+    # tensor parallel over 2 local devices: the same tokens; 3 does not divide the heads
+    assert main(["generate", str(tmp_path / "run"), "--prompt", prompt, "--max-tokens", "6",
+                 "--temperature", "0", "--devices", "2"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    assert main(["generate", str(tmp_path / "run"), "--prompt", prompt, "--devices", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--devices 3 cannot split this model" in err and "valid: [1, 2]" in err
+    assert main(["generate", str(tmp_path / "run"), "--prompt", prompt, "--devices", "99"]) == 2
+    assert "--devices 99 must be between 1 and the 8 local devices" in capsys.readouterr().err
     # a prompt longer than the context (train.seq_len=32), a missing checkpoint: one clear error
     assert main(["generate", str(tmp_path / "run"), "--prompt", "x" * 40]) == 2
     assert "prompt is 40 tokens, longer than the model's context of 32" in capsys.readouterr().err
