@@ -129,18 +129,36 @@ def import_ray():
     return ray
 
 
+def _find_address(address: str) -> str:
+    """`auto` as Ray resolves it (RAY_ADDRESS, the last `ray start` here, a local GCS), so that the
+    reachability check below sees it; Ray's resolver is private, so anything but its own
+    'no cluster' answer leaves `auto` to ray.init."""
+    if address not in ("auto", ""):
+        return address
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die  # optional: private API
+        return canonicalize_bootstrap_address_or_die("auto")
+    except ConnectionError as e:
+        raise ConfigError(f"jaxpar launch --ray (no ADDRESS): no Ray cluster found ({e}); give the "
+                          f"head node's address, --ray HOST:PORT, or set RAY_ADDRESS") from None
+    except Exception:  # Ray moved or changed its resolver: ray.init resolves `auto` itself
+        return "auto"
+
+
 def connect(ray, address: str) -> None:
     """ray.init on an existing cluster; ConfigError naming --ray when it cannot be reached (Ray's
     own client retries for minutes on a wrong address, so a host:port is tried first)."""
-    if address not in ("auto", "") and not address.startswith("ray://"):
+    found = _find_address(address)
+    if found != "auto" and not found.startswith("ray://"):
         from jaxpar.distributed import _reachable
-        why = _reachable(address)
+        why = _reachable(found)
         if why is not None:
-            raise ConfigError(f"jaxpar launch --ray {address}: the Ray cluster is not reachable ({why}); "
+            given = address if found == address else f"(no ADDRESS: found {found})"
+            raise ConfigError(f"jaxpar launch --ray {given}: the Ray cluster is not reachable ({why}); "
                               f"give the head node's GCS address host:port (ray start --head prints it), "
                               f"or --ray alone for RAY_ADDRESS / the cluster started on this machine")
     try:
-        ray.init(address=address or "auto", include_dashboard=False, log_to_driver=False,
+        ray.init(address=found, include_dashboard=False, log_to_driver=False,
                  logging_level="WARNING")
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ConfigError(f"jaxpar launch --ray {address}: cannot connect to a Ray cluster: {e}") from None

@@ -259,6 +259,16 @@ def test_unreachable_address_names_it(work):
     assert time.monotonic() - t0 < 30  # not Ray's minutes of retries
 
 
+def test_ray_alone_finds_the_address_as_ray_does_and_names_it(work, monkeypatch):
+    from jaxpar.launch import free_port
+    addr = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", addr)  # e.g. a cluster that went away
+    rc, err = _cli("launch", "--ray", "--nodes", "1", "--", "train", str(work / "rr.yaml"))
+    port = addr.rpartition(":")[2]  # Ray resolves the loopback host to this machine's address
+    assert rc == 2 and re.search(rf"--ray \(no ADDRESS: found [\d.]+:{port}\): the Ray cluster is not "
+                                 rf"reachable", err), err
+
+
 def test_run_dir_and_checkpoints_come_from_the_train_config(work, tmp_path):
     from jaxpar.launch_ray import run_paths
     run_dir, ckpt = run_paths(["train", str(work / "rr.yaml"), f"run_dir={tmp_path}", "name=x"], None)
