@@ -21,7 +21,7 @@ prefixed with its rank, its own lines with `[ray]`.
 - Another failure restarts the group `--max-restarts` times; exit code 2 (a config error) never.
 
 `--devices-per-node K` forces K CPU devices per process (tests, CPU clusters); without it each
-process uses its node's accelerators. The launcher writes `group_start`, `group_end`,
+process uses its node's accelerators (each bundle then takes the GPUs a node has). The launcher writes `group_start`, `group_end`,
 `wait_nodes_start` and `wait_nodes_end` (source "ray") to the run's event log. `ray` is imported
 here only: the rest of jaxpar runs without it.
 """
@@ -202,10 +202,23 @@ class RayLauncher:
             self.kill_now = True
 
     # -- the cluster
+    def _nodes(self) -> list[dict]:
+        """The alive nodes that offer the node resource (used by us or not)."""
+        return [n for n in self.ray.nodes()
+                if n.get("Alive") and n.get("Resources", {}).get(self.opts.node_resource, 0) >= 1]
+
     def nodes_up(self) -> int:
-        """Alive nodes that offer the node resource (used by us or not)."""
-        return sum(1 for n in self.ray.nodes()
-                   if n.get("Alive") and n.get("Resources", {}).get(self.opts.node_resource, 0) >= 1)
+        return len(self._nodes())
+
+    def bundle(self) -> dict[str, float]:
+        """One node's bundle: the node resource and, on accelerator nodes, all their GPUs (the
+        fewest any node has), so that Ray makes them visible to the process (older Ray versions
+        hide every GPU from an actor that asks for none)."""
+        out = {self.opts.node_resource: 1}
+        gpus = min((int(n["Resources"].get("GPU", 0)) for n in self._nodes()), default=0)
+        if self.opts.devices_per_node is None and gpus > 0:
+            out["GPU"] = gpus
+        return out
 
     def latest_checkpoint(self) -> int | None:
         if self.ckpt_dir is None:
@@ -235,16 +248,18 @@ class RayLauncher:
         ray = self.ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        res = self.opts.node_resource
-        pg = placement_group([{res: 1}] * n, strategy="STRICT_SPREAD")
+        bundle = self.bundle()
+        pg = placement_group([bundle] * n, strategy="STRICT_SPREAD")
         actors = []
         try:
             if not pg.wait(60):
                 self.say(f"attempt {attempt}: {n} nodes could not be placed within 60s (nodes gone?)")
                 return "node_lost", [None] * n
             remote = ray.remote(num_cpus=0, max_restarts=0)(NodeProcess)
-            actors = [remote.options(resources={res: 1}, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=i)).remote() for i in range(n)]
+            res = {k: v for k, v in bundle.items() if k != "GPU"}
+            gpus = {"num_gpus": bundle["GPU"]} if "GPU" in bundle else {}
+            place = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(n)]
+            actors = [remote.options(resources=res, **gpus, scheduling_strategy=p).remote() for p in place]
             infos = ray.get([a.info.remote() for a in actors], timeout=120)
             host, port, _ = infos[0]
             ips = [ip for ip, _, _ in infos]

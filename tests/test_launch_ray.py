@@ -320,6 +320,18 @@ def test_no_nodes_within_the_node_timeout_fails_the_run(tmp_path, monkeypatch):
     assert _events(tmp_path) == [("wait_nodes_start", "ray", 0, 1), ("wait_nodes_end", "ray", 0, None)]
 
 
+def test_a_bundle_takes_all_gpus_of_the_smallest_node_unless_cpu_devices_are_forced():
+    """So Ray makes a node's GPUs visible to its process (checked by hand on fake-GPU Ray nodes:
+    CUDA_VISIBLE_DEVICES=0,1 in both processes for nodes of 2 and 3 GPUs)."""
+    from jaxpar.launch_ray import RayLauncher, RayOptions
+    node = lambda gpus: {"Alive": True, "Resources": {"jaxpar_node": 1.0, "GPU": float(gpus)}}
+    fake = type("R", (), {"nodes": lambda self: [node(8), node(4), {"Alive": True, "Resources": {"GPU": 1.0}}]})()
+    for k, want in ((None, {"jaxpar_node": 1, "GPU": 4}), (4, {"jaxpar_node": 1})):
+        la = RayLauncher(RayOptions(2, ["python", "x.py"], devices_per_node=k))
+        la.ray = fake
+        assert la.bundle() == want, (k, la.bundle())
+
+
 class _ActorGone(Exception):
     pass
 
