@@ -1,7 +1,8 @@
 """`jaxpar train CONFIG [a.b=value ...]`, `jaxpar bench NAME ...`, `jaxpar plot RUN_DIR...`,
 `jaxpar profile [RUN_DIR]`, `jaxpar convert from-hf|to-hf SRC DST`, `jaxpar data prepare|train-tokenizer`,
 `jaxpar generate RUN_OR_CKPT --prompt TEXT`, `jaxpar goodput RUN_DIR [--json]`,
-`jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`.
+`jaxpar launch --nprocs N --devices-per-proc K -- train CONFIG ...`,
+`jaxpar launch --ray [ADDRESS] --nodes N [--min-nodes M] -- train CONFIG ...`.
 
 User mistakes (bad config, bad checkpoint) print one clear message and exit 2, never a traceback.
 """
@@ -35,13 +36,18 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from jaxpar.launch import LaunchOptions, launch, run_dir_of
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise ConfigError("jaxpar launch: give the command after --, e.g. "
                           "jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG")
+    if args.ray is not None:
+        return _launch_ray(args, command)
+    from jaxpar.launch import LaunchOptions, launch, run_dir_of
+    if args.nprocs is None:
+        raise ConfigError("jaxpar launch: give --nprocs N (processes on this machine) or --ray [ADDRESS] "
+                          "--nodes N (one process per node of a Ray cluster)")
     if args.nprocs < 1 or args.devices_per_proc < 1:
         raise ConfigError("jaxpar launch: --nprocs and --devices-per-proc must be >= 1")
     if args.min_nprocs is not None and not 1 <= args.min_nprocs <= args.nprocs:
@@ -58,6 +64,20 @@ def _goodput(args: argparse.Namespace) -> int:
     g = goodput_of(args.run_dir)
     print(json.dumps(g.to_dict(), indent=1) if args.json else format_report(g, args.run_dir))
     return 0
+
+
+def _launch_ray(args: argparse.Namespace, command: list[str]) -> int:
+    from jaxpar.launch_ray import RayOptions, launch_ray
+    if args.nodes is None:
+        raise ConfigError(f"jaxpar launch --ray {args.ray}: give --nodes N (one jaxpar process per node)")
+    if args.nprocs is not None:
+        raise ConfigError(f"jaxpar launch: --nprocs {args.nprocs} is for one machine; with --ray the "
+                          f"processes are --nodes (one per node)")
+    return launch_ray(RayOptions(args.nodes, command, address=args.ray, min_nodes=args.min_nodes,
+                                 devices_per_node=args.devices_per_node, node_resource=args.node_resource,
+                                 run_dir=args.run_dir, max_restarts=args.max_restarts,
+                                 kill_timeout=args.kill_timeout, grace=args.grace,
+                                 node_timeout=args.node_timeout))
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -198,8 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--output", required=True, help="the tokenizer.json to write")
     dt.set_defaults(fn=_data)
     la = sub.add_parser("launch", help="N local processes x K CPU devices on jax.distributed "
-                        "(jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG ...)")
-    la.add_argument("--nprocs", type=int, required=True, help="processes to start")
+                        "(jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG ...), or one "
+                        "per node of a Ray cluster (jaxpar launch --ray [ADDRESS] --nodes N -- ...)")
+    la.add_argument("--nprocs", type=int, default=None, help="processes to start on this machine")
+    la.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                    help="one process per node of a Ray cluster (ADDRESS: its head host:port; alone: "
+                    "RAY_ADDRESS or the cluster on this machine); elastic, see jaxpar/launch_ray.py")
+    la.add_argument("--nodes", type=int, default=None, help="with --ray: nodes (processes) to run on")
+    la.add_argument("--min-nodes", type=int, default=None,
+                    help="with --ray: go on with this few nodes after losing some (default: --nodes)")
+    la.add_argument("--devices-per-node", type=int, default=None,
+                    help="with --ray: K forced CPU devices per process (default: the node's accelerators)")
+    la.add_argument("--node-resource", default="jaxpar_node",
+                    help="with --ray: the custom resource each node offers once (ray start --resources)")
+    la.add_argument("--node-timeout", type=float, default=600.0,
+                    help="with --ray: seconds to wait for --min-nodes before giving up")
     la.add_argument("--devices-per-proc", type=int, default=1, help="CPU devices of each process")
     la.add_argument("--max-restarts", type=int, default=0,
                     help="restart the group this many times after a failure (it resumes from its checkpoint)")
@@ -210,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--grace", type=float, default=180.0,
                     help="seconds the processes get to save and exit after a forwarded SIGTERM/SIGINT")
     la.add_argument("--run-dir", default=None, metavar="RUN_DIR",
-                    help="the run's directory for the launcher's events (jaxpar goodput); "
-                         "default: <run_dir>/<name> of a `train CONFIG` command")
+                    help="the run's directory (the launchers' events for jaxpar goodput; with --ray also "
+                         "the checkpoints it watches); default: <run_dir>/<name> of a `train CONFIG` command")
     la.add_argument("command", nargs=argparse.REMAINDER,
                     help="after --: a jaxpar command (train CONFIG ...) or a program (python script.py)")
     la.set_defaults(fn=_launch)

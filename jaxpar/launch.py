@@ -95,19 +95,22 @@ def child_command(command: list[str]) -> list[str]:
     return list(command)
 
 
-def child_env(base: dict[str, str], rank: int, nprocs: int, devices: int, port: int, attempt: int,
-              hash_seed: str = "0") -> dict:
+def child_env(base: dict[str, str], rank: int, nprocs: int, devices: int | None, port: int, attempt: int,
+              hash_seed: str = "0", host: str = HOST) -> dict:
+    """The environment of rank `rank`: the coordinator at host:port, and `devices` forced CPU
+    devices (None: the machine's own accelerators, as found)."""
     env = dict(base)
     # Every process must trace the same program: one Python hash seed for all (set iteration
     # order must not differ between them). A seed the caller set is kept.
     env.setdefault("PYTHONHASHSEED", hash_seed)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    if devices is not None:
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+        env["JAX_PLATFORMS"] = "cpu"
     env.update({
-        "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
-        "JAX_PLATFORMS": "cpu",
-        "JAXPAR_COORDINATOR_ADDRESS": f"{HOST}:{port}",
-        "JAXPAR_COORDINATOR_BIND_ADDRESS": f"{HOST}:{port}",
+        "JAXPAR_COORDINATOR_ADDRESS": f"{host}:{port}",
+        "JAXPAR_COORDINATOR_BIND_ADDRESS": f"{host}:{port}",
         "JAXPAR_NUM_PROCESSES": str(nprocs),
         "JAXPAR_PROCESS_ID": str(rank),
         "JAXPAR_RESTART_COUNT": str(attempt),
@@ -314,16 +317,24 @@ class Launcher:
                 signal.signal(sig, h)
 
 
-def run_dir_of(command: list[str]) -> Path | None:
-    """The run dir (<run_dir>/<name>) of a `train CONFIG [overrides]` command, else None (also
-    when the config does not load: the child reports that)."""
+def train_config_of(command: list[str], strict: bool = False):
+    """The config of a `train CONFIG [overrides]` command, loaded as the trainer loads it; else
+    None. A config that does not load is None too (the child reports it) unless `strict`."""
     if len(command) < 2 or command[0] != "train":
         return None
     from jaxpar.config import ConfigError, load_config
     try:
-        return load_config(command[1], command[2:]).out_dir
+        return load_config(command[1], [a for a in command[2:] if not a.startswith("-")])
     except (ConfigError, OSError, ValueError):
+        if strict:
+            raise
         return None
+
+
+def run_dir_of(command: list[str]) -> Path | None:
+    """The run dir (<run_dir>/<name>) of a `train CONFIG [overrides]` command, else None."""
+    cfg = train_config_of(command)
+    return None if cfg is None else cfg.out_dir
 
 
 def launch(opts: LaunchOptions, out: BinaryIO | None = None) -> int:
