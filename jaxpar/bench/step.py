@@ -7,7 +7,10 @@ Per layout (dp, zero1, zero2, zero3, tp, pp on 8 devices; `layouts=` picks some)
     step's tokens / devices;
   - compiled FLOPs per device: the matmul FLOPs of the compiled step's dots, loop trips
     multiplied in (metrics.hlo.dot_flops); their excess over the model's is the recompute (remat;
-    a pipeline backward that runs its stage forward again) and the pipeline's bubble work. Beside
+    a pipeline backward that runs its stage forward again). A conditional counts its heaviest
+    branch, so a pipeline counts every tick as its heaviest (the bubble as work): an upper bound.
+    Below the model's: the formula's attention term counts the causal half that blockwise
+    attention skips. Beside
     it XLA's own cost_analysis()["flops"], which counts every while body once (one layer of a
     layer scan, one microbatch), so it sits far below the model's for any scanned model;
   - gradient collectives (all-reduce, reduce-scatter; and all-gather) inside vs outside the
@@ -37,7 +40,9 @@ LAYOUTS: dict[str, list[str]] = {
     "zero2": [*mesh_overrides(fsdp=8), "sharding.zero_stage=2"],
     "zero3": [*mesh_overrides(fsdp=8), "sharding.zero_stage=3"],
     "tp": [*mesh_overrides(data=4, tensor=2), "sharding.zero_stage=0"],
-    "pp": [*mesh_overrides(data=4, pipeline=2), "sharding.zero_stage=0", "train.grad_accum=2"],
+    # the first and last stages hold the embeddings and head whole: replicated on purpose
+    "pp": [*mesh_overrides(data=4, pipeline=2), "sharding.zero_stage=0", "train.grad_accum=2",
+           "sharding.replicated_tolerance=1.0"],
 }
 SHAPE_1B = ["model.preset=1b", "model.n_layers=16", "model.dim=2048", "train.seq_len=2048",
             "train.global_batch=16", "data.source=synthetic"]
@@ -112,6 +117,8 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, layouts=None, 
             if shape == "config" and timed:
                 row.update(time_steps(trainer, lcfg.train.steps))
             rows.append({"shape": shape, "layout": name, **row})
+            log(f"step: {shape} {name}: " + ", ".join(
+                f"{k} {v:.4g}" for k, v in row.items() if isinstance(v, float)))
     return {"devices": jax.device_count(), "backend": jax.default_backend(),
             "config": describe_config(cfg), "rows": rows}
 

@@ -344,21 +344,42 @@ def loop_collectives(hlo_text: str, measure: str = "count") -> dict[str, dict[st
 
 def dot_flops(hlo_text: str) -> int:
     """Matmul FLOPs one run of the module executes: 2 x output elements x contracted size of each
-    `dot`, loop trip counts multiplied in. XLA's cost_analysis() counts a while body once (a
-    layer scan's dots as one layer's), so it cannot show a scanned model's FLOPs, nor their
-    recompute; this can. Convolutions and custom calls are not counted."""
+    `dot`, a while body's times its known trip count, a conditional's heaviest branch (one
+    branch runs: a pipeline tick's forward or backward). XLA's cost_analysis() counts a while
+    body once (a layer scan's dots as one layer's), so it cannot show a scanned model's FLOPs,
+    nor their recompute; this can. Convolutions and custom calls are not counted."""
     comps, entry = _parse_module(hlo_text)
-    mults = _multipliers(comps, entry)
-    total = 0
-    for comp, instrs in comps.items():
+    memo: dict[str, int] = {}
+
+    def flops(comp: str, seen: frozenset[str] = frozenset()) -> int:
+        if comp in memo:
+            return memo[comp]
+        instrs = comps.get(comp, [])
         shapes = {i.name: i.shape for i in instrs}
+        total = 0
         for ins in instrs:
-            if ins.opcode != "dot":
-                continue
-            operands, attrs = _operands_attrs(ins)
-            inline = _arrays(operands)  # operand shapes, where the text prints them
-            lhs = inline[0][1] if inline else _arrays(shapes[_names(operands)[0]])[0][1]
-            contract = [int(d) for d in re.findall(r"\d+", attrs.get("lhs_contracting_dims", ""))]
-            out = _arrays(ins.shape)[0][1]
-            total += 2 * math.prod(out) * math.prod(lhs[d] for d in contract) * mults.get(comp, 1)
-    return total
+            if ins.opcode == "dot":
+                operands, attrs = _operands_attrs(ins)
+                inline = _arrays(operands)  # operand shapes, where the text prints them
+                lhs = inline[0][1] if inline else _arrays(shapes[_names(operands)[0]])[0][1]
+                contract = [int(d) for d in re.findall(r"\d+", attrs.get("lhs_contracting_dims", ""))]
+                total += 2 * math.prod(_arrays(ins.shape)[0][1]) * math.prod(lhs[d] for d in contract)
+            trip = 1
+            if ins.opcode == "while":
+                m = _TRIP.search(ins.rest)
+                trip = int(m.group(1)) if m else 1
+            branches = []
+            for attr, value in _CALL.findall(ins.rest):
+                for callee in _names(value):
+                    if callee not in comps or callee in seen:
+                        continue
+                    f = flops(callee, seen | {comp})
+                    if attr in ("branch_computations", "true_computation", "false_computation"):
+                        branches.append(f)
+                    else:
+                        total += f * (trip if attr == "body" else 1)
+            total += max(branches, default=0)
+        memo[comp] = total
+        return total
+
+    return flops(entry) if entry else 0
