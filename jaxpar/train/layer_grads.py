@@ -82,9 +82,9 @@ class LayerGrads:
         self.sync, self.varying, self.accum_dtype = sync, varying, accum_dtype
         self.paths = sorted(sync.in_scan)
         self.active = bool(self.paths)
-        heads = {p[0] for p in self.paths}
-        if len(heads) > 1:  # nn.scan_layers runs one stack: its params share one attribute
-            raise ValueError(f"in-scan layer gradients need one layer stack, got {sorted(heads)}")
+        stacks = {p[0] for p in self.paths}
+        if len(stacks) > 1:  # nn.scan_layers runs one stack: its params share one attribute
+            raise ValueError(f"in-scan layer gradients need one layer stack, got {sorted(stacks)}")
         sizes, manual = sync.plan.mesh.shape, sync.manual
         flat_shapes = flat_paths(shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
         grad_out, final_out = flat_paths(sync.grad_out), flat_paths(sync.final_out)
@@ -125,7 +125,7 @@ class LayerGrads:
                 return sync.finish_layer(g if acc is None else g.astype(acc.dtype) + acc, path)
             return finish
 
-        acc = acc or {}
+        acc = acc or {}  # keyed like the stack's own state: the path below the stack's attribute
         xs = {p[1:]: (acc.get(p), sinks[p]) for p in self.paths}
         return Taps(xs, {p[1:]: reducer(p) for p in self.paths})
 
