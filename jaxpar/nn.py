@@ -49,6 +49,11 @@ class Context:
     # When set, scan_layers(stack, carry, fn) returns layers_hook(stack, carry, fn): the pipeline
     # uses it to cut a model into embedding / layer stages / head (see jaxpar/parallel/pipeline).
     layers_hook: Callable[[nnx.Module, Any, Callable], Any] | None = None
+    # Per-layer arrays scanned beside the stack's params: an object with `xs` (a pytree whose
+    # leaves have the leading layers dim) and `apply(layer_params, xs_slice) -> layer_params`,
+    # run on each layer's ready params. The train step taps each layer's params here so that
+    # their gradient is reduced inside the backward scan (jaxpar/train/layer_grads.py).
+    layer_taps: Any = None
 
 
 _CTX: contextvars.ContextVar[Context] = contextvars.ContextVar("jaxpar_nn", default=Context())
@@ -173,15 +178,21 @@ def scan_stack(stack: nnx.Module, carry: Any, fn: Callable[[nnx.Module, Any], An
     ctx = _CTX.get()
     graphdef, state = nnx.split(stack)
 
-    def body(c, layer_state):
-        layer = nnx.merge(graphdef, ctx.layer_params(layer_state))
-        return fn(layer, c), None
+    taps = ctx.layer_taps
+
+    def body(c, xs):
+        layer_state, tap_xs = xs
+        ready = ctx.layer_params(layer_state)
+        if taps is not None:
+            ready = taps.apply(ready, tap_xs)
+        return fn(nnx.merge(graphdef, ready), c), None
 
     if ctx.remat != "none" or ctx.never_save:
         body = jax.checkpoint(body, policy=remat_policy(ctx.remat, ctx.never_save), prevent_cse=False)
+    xs = (state, None if taps is None else taps.xs)
     # A carry part that starts replicated (the MoE router-loss sums' zeros) varies once a layer
     # has added to it; typed so from the start, as scan needs (shard_map's check_vma).
-    carry, _ = jax.lax.scan(body, vary_together(carry, state), state)
+    carry, _ = jax.lax.scan(body, vary_together(carry, xs), xs)
     return carry
 
 

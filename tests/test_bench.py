@@ -118,3 +118,25 @@ def test_planner_bench_ranks_and_times_planning():
     assert -1 <= res["spearman"] <= 1 and res["plan_70b_1024_s"] > 0 and res["plan_70b_best"]
     assert "Spearman" in mod.format_result(res)
     assert mod.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1) and mod.spearman([1, 2, 3], [3, 2, 1]) < 0
+
+
+def test_step_bench_flops_collectives_memory_and_host_time():
+    mod, cfg = load("step", None, [*TINY, "train.steps=2"])
+    res = mod.run(cfg, layouts=["dp", "zero3"], shapes=("config",))
+    dp, z3 = res["rows"]
+    L, leaves = cfg.model.n_layers, 9  # a tiny Llama layer: wq wk wv wo w_gate w_up w_down + 2 norms
+    # every layer gradient all-reduced inside the backward loop, once per layer per step
+    assert dp["collectives"]["inside"]["all-reduce"]["count"] == leaves * L, dp["collectives"]
+    # ZeRO-3: the 7 matrices gathered (forward and backward) and reduce-scattered in the loops
+    assert z3["collectives"]["inside"]["reduce-scatter"]["count"] == 7 * L, z3["collectives"]
+    assert z3["collectives"]["inside"]["all-gather"]["count"] >= 2 * 7 * L, z3["collectives"]
+    for r in (dp, z3):
+        # no remat: the compiled dots are the model's matmuls (6N + attention), within the
+        # analytic formula's slack (it counts the 2 norms and no causal saving)
+        assert 0.9 < r["compiled_flops"] / r["model_flops"] < 1.1, r
+        assert r["cost_analysis_flops"] < r["compiled_flops"]  # XLA counts a loop body once
+        assert r["temp_bytes"] > 0 and r["step_s"] > 0 and r["host_batch_s"] >= 0 and r["host_call_s"] > 0
+    text = mod.format_result(res)
+    assert "config dp" in text and "config zero3" in text
+    with pytest.raises(ConfigError, match="unknown layouts"):
+        mod.run(cfg, layouts=["nope"])

@@ -21,6 +21,9 @@ LAYOUTS = {  # name: (reference, overrides)
     "data8-accum2": (DENSE, ["mesh.data=8", "sharding.zero_stage=0", "train.grad_accum=2"]),
     "fsdp8-zero1": (DENSE, ["mesh.fsdp=8", "sharding.zero_stage=1"]),
     "fsdp8-zero2": (DENSE, ["mesh.fsdp=8", "sharding.zero_stage=2"]),
+    # the last microbatch's in-scan reduce-scatter adds the others' accumulated gradient
+    "dp2-fsdp4-zero1-accum2": (DENSE, ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=1",
+                                       "train.grad_accum=2"]),
     "fsdp8-zero3": (DENSE, ["mesh.fsdp=8", "sharding.zero_stage=3"]),
     "dp2-fsdp2-tp2-zero3": (DENSE, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=3"]),
     "dp2-fsdp2-tp2-zero2-accum2": (DENSE, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",

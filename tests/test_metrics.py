@@ -272,3 +272,22 @@ def test_format_banner_aligns_values():
     text = format_banner({"model": "llama", "mesh shape": "data=8"})
     rows = [line for line in text.splitlines() if " : " in line]
     assert len(rows) == 2 and len({r.index(" : ") for r in rows}) == 1
+
+
+def test_dot_flops_multiplies_loop_trips_and_takes_the_heaviest_branch():
+    from jaxpar.metrics.hlo import dot_flops
+
+    def scanned(w, x):
+        return jax.lax.scan(lambda c, wl: (c @ wl, None), x, w)[0].sum()
+
+    w, x = jnp.ones((10, 64, 64)), jnp.ones((8, 64))
+    fwd = 10 * 2 * 8 * 64 * 64  # one [8,64] x [64,64] matmul per layer
+    text = jax.jit(jax.grad(scanned)).lower(w, x).compile().as_text()
+    assert dot_flops(text) == 3 * fwd  # forward, and the backward's input and weight gradients
+    assert jax.jit(jax.grad(scanned)).lower(w, x).compile().cost_analysis()["flops"] < fwd  # one body
+
+    def branchy(i, x, a, b):  # one [8,64]x[64,64] matmul, or two
+        return jax.lax.switch(i, [lambda: x @ a, lambda: (x @ a) @ b])
+
+    text = jax.jit(branchy).lower(0, x, w[0], w[1]).compile().as_text()
+    assert dot_flops(text) == 2 * (2 * 8 * 64 * 64)

@@ -13,6 +13,8 @@
   packing   data.packing on the stdlib tokenized by a BPE: padding per seq_len, packed step's cost
   context   xla / blockwise (a sequence per device) vs ring / all_to_all (a sequence over mesh.context):
             temp memory, collective bytes vs the analytic ring volume, step time, longest fitting seq
+  step      per layout, the config's model and the 1B shape (compiled only): model vs compiled FLOPs,
+            collectives inside vs outside the loops, temp memory; the config's: step and host time
 
 The config is CONFIG (default configs/quickstart.yaml), then `train.steps=20`, then the
 benchmark's layout (e.g. a data-parallel mesh for `overhead`), then the overrides. Each
@@ -44,6 +46,7 @@ BENCHMARKS: dict[str, str] = {
     "planner": "jaxpar.bench.planner",
     "packing": "jaxpar.bench.packing",
     "context": "jaxpar.bench.context",
+    "step": "jaxpar.bench.step",
 }
 
 

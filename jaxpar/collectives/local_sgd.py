@@ -35,6 +35,9 @@ AXIS = "data"
 
 
 class LocalSGD(GradientSync):
+    """Replicas that step alone (module doc). Within a replica it reduces after the backward
+    scan (its inner sync, a compressed one or a psum, is not asked for in-scan leaves)."""
+
     name = "local SGD: gradients reduced within a replica only"
 
     def __init__(self, cfg, plan, param_specs, grad_specs, compression=None, optimizer=None, wire_dtype=None):

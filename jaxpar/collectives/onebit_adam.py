@@ -83,7 +83,9 @@ def onebit_adam(cfg, total_steps: int, axes_tree) -> optax.GradientTransformatio
 
 
 class OneBitAdamReducer(GradientReducer):
-    """The gradient reduction of 1-bit Adam (see module doc); residuals in state["comm"]."""
+    """The gradient reduction of 1-bit Adam (see module doc); residuals in state["comm"]. It
+    reduces after the backward scan: what it exchanges is the momentum the whole step's
+    gradient updates, with error feedback."""
 
     def __init__(self, opt_cfg, compression, plan, model, grad_specs, wire_dtype=None):
         shape = plan.mesh.shape

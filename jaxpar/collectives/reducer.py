@@ -89,7 +89,15 @@ def dcn_size_of(mesh, cfg) -> int:
 
 class GradientReducer(GradientSync):
     """The compressed gradient sync (jaxpar/parallel/sync.py), built once per step from the
-    config, the plan and the model's gradient specs."""
+    config, the plan and the model's gradient specs.
+
+    It reduces after the backward scan (no `in_scan` leaves), every method alike. Error feedback
+    (int8, onebit, topk) keeps residuals per bucket of the whole step's gradient in
+    state["comm"], and PowerSGD keeps Q per matrix across steps: a layer's slice has no residual
+    of its own to add back inside the scan. bf16 / fp16 carry no state and could reduce per
+    layer in the scan, but buckets span layers and leaves (one all-to-all per bucket), so that
+    needs per-layer buckets: not built yet. The uncompressed reduction in bf16
+    (train.grad_reduce_dtype=bfloat16, parallel/data.AllReduce) does reduce in the scan."""
 
     def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None, wire_dtype=None):
         sizes = plan.mesh.shape

@@ -7,7 +7,8 @@ from jaxpar.metrics.flops import (
     mfu,
     peak_flops,
 )
-from jaxpar.metrics.hlo import COLLECTIVE_KINDS, CollectiveOp, collective_bytes, collective_ops
+from jaxpar.metrics.hlo import (COLLECTIVE_KINDS, CollectiveOp, collective_bytes, collective_ops,
+                                loop_collectives)
 from jaxpar.metrics.memory import compiled_memory, device_memory_bytes, device_memory_stats
 from jaxpar.metrics.progress import Progress, format_banner
 from jaxpar.metrics.writers import CompositeWriter, JsonlWriter, MetricWriter, TensorBoardWriter
@@ -29,6 +30,7 @@ __all__ = [
     "format_banner",
     "generic_flops_per_token",
     "llama_flops_per_token",
+    "loop_collectives",
     "mfu",
     "peak_flops",
 ]

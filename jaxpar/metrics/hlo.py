@@ -299,3 +299,87 @@ def naive_dots(hlo_text: str, dtype: str = "bf16") -> int:
         if m and m.group(2) == dtype and not (m.group(1) and comp in library):
             n += 1
     return n
+
+
+def _in_loops(comps: dict[str, list[_Instr]]) -> set[str]:
+    """The computations that run inside a while loop (a body or condition, or called from one)."""
+    callees: dict[str, list[tuple[str, bool]]] = {c: [] for c in comps}
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            for attr, value in _CALL.findall(ins.rest):
+                for callee in _names(value):
+                    if callee in comps:
+                        callees[comp].append((callee, attr in ("body", "condition")))
+    inside: set[str] = set()
+    todo = [c for cs in callees.values() for c, looped in cs if looped]
+    while todo:
+        c = todo.pop()
+        if c not in inside:
+            inside.add(c)
+            todo.extend(callee for callee, _ in callees[c])
+    return inside
+
+
+def loop_collectives(hlo_text: str, measure: str = "count") -> dict[str, dict[str, int]]:
+    """{"inside": {kind: n}, "outside": {kind: n}}: how many collective result arrays one run of
+    the module executes inside while loops (lax.scan: the layer loops, the microbatch loop) and
+    outside them, loop trip counts multiplied in; `measure="bytes"`: their per-device result
+    bytes instead (as collective_bytes). A gradient reduced layer by layer in the backward scan
+    counts `layers` times inside; one reduced after the scan counts once outside."""
+    if measure not in ("count", "bytes"):
+        raise ValueError(f"loop_collectives: measure={measure!r}; valid: count, bytes")
+    comps, entry = _parse_module(hlo_text)
+    mults, inside = _multipliers(comps, entry), _in_loops(comps)
+    out = {"inside": dict.fromkeys(COLLECTIVE_KINDS, 0), "outside": dict.fromkeys(COLLECTIVE_KINDS, 0)}
+    for comp, instrs in comps.items():
+        where = out["inside" if comp in inside else "outside"]
+        for ins in instrs:
+            kind = _kind(ins.opcode)
+            if kind is not None:
+                arrays = _arrays(ins.shape)
+                n = len(arrays) if measure == "count" else sum(b for _, _, b in arrays)
+                where[kind] += n * mults.get(comp, 1)
+    return out
+
+
+def dot_flops(hlo_text: str) -> int:
+    """Matmul FLOPs one run of the module executes: 2 x output elements x contracted size of each
+    `dot`, a while body's times its known trip count, a conditional's heaviest branch (one
+    branch runs: a pipeline tick's forward or backward). XLA's cost_analysis() counts a while
+    body once (a layer scan's dots as one layer's), so it cannot show a scanned model's FLOPs,
+    nor their recompute; this can. Convolutions and custom calls are not counted."""
+    comps, entry = _parse_module(hlo_text)
+    memo: dict[str, int] = {}
+
+    def flops(comp: str, seen: frozenset[str] = frozenset()) -> int:
+        if comp in memo:
+            return memo[comp]
+        instrs = comps.get(comp, [])
+        shapes = {i.name: i.shape for i in instrs}
+        total = 0
+        for ins in instrs:
+            if ins.opcode == "dot":
+                operands, attrs = _operands_attrs(ins)
+                inline = _arrays(operands)  # operand shapes, where the text prints them
+                lhs = inline[0][1] if inline else _arrays(shapes[_names(operands)[0]])[0][1]
+                contract = [int(d) for d in re.findall(r"\d+", attrs.get("lhs_contracting_dims", ""))]
+                total += 2 * math.prod(_arrays(ins.shape)[0][1]) * math.prod(lhs[d] for d in contract)
+            trip = 1
+            if ins.opcode == "while":
+                m = _TRIP.search(ins.rest)
+                trip = int(m.group(1)) if m else 1
+            branches = []
+            for attr, value in _CALL.findall(ins.rest):
+                for callee in _names(value):
+                    if callee not in comps or callee in seen:
+                        continue
+                    f = flops(callee, seen | {comp})
+                    if attr in ("branch_computations", "true_computation", "false_computation"):
+                        branches.append(f)
+                    else:
+                        total += f * (trip if attr == "body" else 1)
+            total += max(branches, default=0)
+        memo[comp] = total
+        return total
+
+    return flops(entry) if entry else 0

@@ -3,9 +3,12 @@
 The loss and gradients run inside a `shard_map` that is manual over the batch axes (data, fsdp,
 ...), so each device sees its own slice of the batch and produces *local* gradients; this module
 decides how they are reduced:
-  - ZeRO-0/1: accumulate local gradients over microbatches, then one all-reduce (psum);
+  - ZeRO-0/1: accumulate local gradients over microbatches, then one all-reduce (psum; ZeRO-1:
+              a reduce-scatter to the optimizer's shard);
   - ZeRO-2:   reduce-scatter each microbatch's gradients over `fsdp` (so the accumulator is
               sharded), then all-reduce the shards over the remaining batch axes;
+  (for the stacked layer params both run inside the backward layer scan, layer by layer: see
+  AllReduce and jaxpar/train/layer_grads.py)
   - ZeRO-3:   parameters arrive sharded over `fsdp`; each layer's weights are all-gathered just
               before use (again in the backward, under remat), and the transpose of that
               all-gather is the reduce-scatter of their gradients.
@@ -22,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.nn import axes_of
-from jaxpar.parallel.sync import GradientSync
+from jaxpar.parallel.sync import GradientSync, flat_paths, key_path
 from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes
 
 GATHERED = "jaxpar_zero3_gathered"
@@ -161,19 +164,57 @@ def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[st
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def layer_spec(spec: P) -> P:
+    """The spec of one layer of a stacked param (its leading layers dim dropped)."""
+    return P(*spec[1:])
+
+
 class AllReduce(GradientSync):
     """Plain data parallelism and ZeRO: every microbatch's gradients reduce-scattered over fsdp
     at ZeRO-2; the accumulated gradients reduce-scattered to the optimizer's shard at ZeRO-1 (no
-    more bytes than DP, half an all-reduce's), all-reduced over the batch axes left."""
+    more bytes than DP, half an all-reduce's), all-reduced over the batch axes left.
+
+    At ZeRO-0/1/2 without a pipeline the stacked layer params (`layered`: their key paths) are
+    reduced that way inside the backward layer scan, one layer at a time, as soon as the
+    backward of the layer has produced its gradient (`in_scan`; jaxpar/train/layer_grads.py), so
+    the collectives of layer i overlap the backward of layer i-1. The embeddings, final norm and
+    head are reduced after the scan. ZeRO-3's layer gradients are reduce-scattered in the scan by
+    the transpose of their gathers (gather_in) and all-reduced over the axes left here. A
+    pipeline (parallel/pipeline) reduces after its timetable: its stages run their layers in
+    per-tick branches, where a per-layer collective would run on some devices only."""
 
     name = "psum"
 
-    def __init__(self, plan: Plan, grad_specs, opt_specs, wire_dtype=None):
+    def __init__(self, plan: Plan, grad_specs, opt_specs, wire_dtype=None,
+                 layered: frozenset[tuple] = frozenset()):
         super().__init__(plan, grad_specs, opt_specs if plan.zero_stage == 1 else grad_specs, wire_dtype)
+        self._grad_out, self._final_out = flat_paths(self.grad_out), flat_paths(self.final_out)
+        staged = plan.mesh.shape.get("pipeline", 1) > 1
+        if plan.zero_stage < 3 and not staged:
+            # the layers dim must be whole on each device for a layer's slice to be reduced alone
+            whole = lambda spec: not sharded_dims(P(*spec[:1]), self.manual)
+            self.in_scan = frozenset(p for p in layered
+                                     if whole(self._grad_out[p]) and whole(self._final_out[p]))
 
     def microbatch(self, grads, specs):
         return scatter_microbatch_grads(grads, specs, self.plan, self.manual, self.wire_dtype)
 
+    def scatter_layer(self, g, path):
+        return scatter_microbatch_grads(g, layer_spec(self._grad_out[path]), self.plan, self.manual,
+                                        self.wire_dtype)
+
+    def finish_layer(self, g, path):
+        return reduce_final_grads(g, layer_spec(self._grad_out[path]), self.manual, self.plan.mesh.shape,
+                                  layer_spec(self._final_out[path]), self.wire_dtype)
+
     def reduce(self, grads, comm, extra):
-        return reduce_final_grads(grads, self.grad_out, self.manual, self.plan.mesh.shape, self.final_out,
-                                  self.wire_dtype), comm
+        sizes = self.plan.mesh.shape
+
+        def one(path, g):
+            path = key_path(path)
+            if path in self.in_scan:  # reduced in the layer scan already
+                return g
+            return reduce_final_grads(g, self._grad_out[path], self.manual, sizes, self._final_out[path],
+                                      self.wire_dtype)
+
+        return jax.tree_util.tree_map_with_path(one, grads), comm

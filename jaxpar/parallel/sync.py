@@ -26,6 +26,16 @@ from jaxpar.sharding import Plan
 is_spec = lambda x: isinstance(x, P)
 
 
+def key_path(path) -> tuple:
+    """A jax tree path as a tuple of dict keys: ("layers", "wq")."""
+    return tuple(getattr(k, "key", k) for k in path)
+
+
+def flat_paths(tree, is_leaf=is_spec) -> dict[tuple, Any]:
+    """{key path: leaf} of a nested dict (of arrays or PartitionSpecs)."""
+    return {key_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
 def step_manual_axes(plan: Plan) -> frozenset[str]:
     """The axes the step's shard_map is manual over: the batch axes, `pipeline` when staged and
     `context` when sequences are split (jaxpar/parallel/context.py): each device's gradient is
@@ -42,6 +52,9 @@ class GradientSync:
     name = "sync"
     replicas = 1
     replica_axes: tuple[str, ...] = ()
+    #: key paths of the stacked layer params whose gradient this sync reduces inside the backward
+    #: layer scan, layer by layer (scatter_layer / finish_layer); `reduce` leaves them alone
+    in_scan: frozenset[tuple] = frozenset()
 
     def __init__(self, plan: Plan, grad_specs: Any, final_specs: Any = None, wire_dtype: Any = None):
         self.plan = plan
@@ -109,6 +122,16 @@ class GradientSync:
         """Each microbatch's gradients as they are added to the accumulator; `specs`: their
         layout inside the shard_map (`grad_out`, or the part of it the pipeline has at hand)."""
         return grads
+
+    def scatter_layer(self, g, path: tuple):
+        """One layer's gradient of the `in_scan` leaf `path` (its layers dim dropped), as each
+        microbatch's backward produces it: what `microbatch` does to the whole stack."""
+        raise NotImplementedError
+
+    def finish_layer(self, g, path: tuple):
+        """One layer's scattered gradient (summed over the microbatches) of the `in_scan` leaf
+        `path`, reduced to its `final_out` layout: what `reduce` does to the whole stack."""
+        raise NotImplementedError
 
     def reduce(self, grads, comm: dict, extra: dict):
         """(what the optimizer receives, laid out as `final_out`; the new comm state)."""

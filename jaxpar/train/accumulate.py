@@ -6,8 +6,10 @@ inside the step's shard_map: `mbs` is this device's batch as a train.batch.Batch
 carry a leading microbatch dim (tokens [microbatches, batch, seq + 1]), `loss` a
 train.loss.MicrobatchLoss; `grads` are the local gradients summed over the microbatches (in
 float32 when there are several), each microbatch's passed through the sync's per-microbatch hook
-(ZeRO-2's reduce-scatter). `ScanMicrobatches` runs a lax.scan; with mesh.pipeline > 1 the
-pipeline's timetable runner (jaxpar/parallel/pipeline) does the same job across stages.
+(ZeRO-2's reduce-scatter), but for the layer stacks the sync reduces inside the backward layer
+scan (sync.in_scan, train/layer_grads.py), which come out reduced already. `ScanMicrobatches`
+runs a lax.scan; with mesh.pipeline > 1 the pipeline's timetable runner
+(jaxpar/parallel/pipeline) does the same job across stages (reducing after its timetable).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from jaxpar.parallel.pipeline import make_step_pipeline
 from jaxpar.parallel.sync import GradientSync
 from jaxpar.sharding import Plan, vary
 from jaxpar.train.forward import Forward
+from jaxpar.train.layer_grads import LayerGrads
 
 
 def grad_dtype(grad_accum: int, wire_dtype):
@@ -31,32 +34,59 @@ def grad_dtype(grad_accum: int, wire_dtype):
 
 @dataclass(frozen=True)
 class ScanMicrobatches:
-    """value_and_grad of each microbatch in a lax.scan, added to one accumulator."""
+    """value_and_grad of each microbatch in a lax.scan, added to one accumulator. The layer
+    stacks the sync reduces in the backward (train/layer_grads.py) are not differentiated: their
+    sinks are; the last microbatch then runs after the scan, its backward finishing each layer's
+    reduction with the accumulated gradient of the others."""
 
     forward: Forward
     sync: GradientSync
     microbatches: int
     accum_dtype: Any
     varying: tuple[str, ...]  # the manual axes of size > 1 the accumulator varies over (check_vma)
+    layers: LayerGrads
 
     def __call__(self, params, mbs, loss):
-        def mb_loss(params, mb):
-            rows = self.forward.context.split(mb)  # this device's part of each sequence
-            logits, sown = self.forward(params, rows)
-            return loss(logits, rows, sown)
+        lg, sync = self.layers, self.sync
+        top, stacks = lg.split(params)
 
-        specs = self.sync.grad_out
+        def grads_of(top, mb, last, acc):
+            def mb_loss(diff, mb):
+                top, sinks = diff
+                rows = self.forward.context.split(mb)  # this device's part of each sequence
+                logits, sown = self.forward(lg.join(top, stacks), rows, lg.taps(sinks, acc, last))
+                return loss(logits, rows, sown)
+
+            (_, (value, aux)), (g, g_stacks) = jax.value_and_grad(mb_loss, has_aux=True)(
+                (top, lg.sinks(last)), mb)
+            return sync.microbatch(g, lg.top_specs), g_stacks, (value, aux)
+
+        add = lambda a, x: a + x.astype(a.dtype)
 
         def body(acc, mb):
-            (_, (value, aux)), g = jax.value_and_grad(mb_loss, has_aux=True)(params, mb)
-            g = self.sync.microbatch(g, specs)
-            return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g), (value, aux)
+            g, g_stacks, out = grads_of(top, mb, False, None)
+            return jax.tree.map(add, acc, (g, g_stacks)), out
 
-        zeros = jax.eval_shape(lambda: self.sync.microbatch(
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), specs))
-        acc0 = jax.tree.map(lambda z: vary(jnp.zeros(z.shape, self.accum_dtype), self.varying), zeros)
-        grads, (losses, aux) = jax.lax.scan(body, acc0, mbs)
-        return losses, grads, aux
+        zeros = jax.eval_shape(lambda: sync.microbatch(
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), top), lg.top_specs))
+        acc_top = jax.tree.map(lambda z: vary(jnp.zeros(z.shape, self.accum_dtype), self.varying), zeros)
+        acc = (acc_top, lg.zeros_acc())
+        scanned = self.microbatches - 1 if lg.active else self.microbatches
+        if scanned:
+            head = jax.tree.map(lambda a: a[:scanned], mbs)
+            acc, (losses, aux) = jax.lax.scan(body, acc, head)
+        if not lg.active:
+            return losses, lg.join(acc[0], {}), aux
+        g, finished, (value, aux_last) = grads_of(top, jax.tree.map(lambda a: a[-1], mbs), True,
+                                                   acc[1] if scanned else None)
+        grads = jax.tree.map(add, acc[0], g)
+        last = lambda x: x[None]
+        if scanned:
+            losses = jnp.concatenate([losses, last(value)])
+            aux = jax.tree.map(lambda a, b: jnp.concatenate([a, last(b)]), aux, aux_last)
+        else:
+            losses, aux = last(value), jax.tree.map(last, aux_last)
+        return losses, lg.join(grads, finished), aux
 
 
 def make_accumulation(model, plan: Plan, forward: Forward, sync: GradientSync, *, grad_accum: int,
@@ -66,4 +96,6 @@ def make_accumulation(model, plan: Plan, forward: Forward, sync: GradientSync, *
         return make_step_pipeline(model, plan, pipeline_cfg, grad_accum, forward.ctx, forward.prepare_top,
                                   sync.microbatch, sync.grad_out)
     varying = tuple(sorted(a for a in sync.manual if plan.mesh.shape[a] > 1))
-    return ScanMicrobatches(forward, sync, grad_accum, grad_dtype(grad_accum, sync.wire_dtype), varying)
+    accum = grad_dtype(grad_accum, sync.wire_dtype)
+    return ScanMicrobatches(forward, sync, grad_accum, accum, varying,
+                            LayerGrads(sync, model.shapes, varying, accum))

@@ -33,8 +33,9 @@ class Forward:
     run: Callable
     context: ContextParallel = ContextParallel()
 
-    def __call__(self, params, rows):
-        return self.run(params, rows)
+    def __call__(self, params, rows, taps=None):
+        """`taps`: the nn.Context.layer_taps of this call (train/layer_grads.py), or None."""
+        return self.run(params, rows, taps)
 
 
 def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dtype, remat: str,
@@ -53,9 +54,10 @@ def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dt
     stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
     prepare_top = lambda st: _prepare_top(st, prepare, stacked)
 
-    def forward(params, rows):
+    def forward(params, rows, taps=None):
         state = prepare_top(model.state(params))
-        with nn.use_context(ctx), nn.collect_aux() as sown:
+        here = ctx if taps is None else dataclasses.replace(ctx, layer_taps=taps)
+        with nn.use_context(here), nn.collect_aux() as sown:
             logits = rows.apply(model.merge(state))
         return logits, dict(sown)
 
@@ -110,7 +112,9 @@ def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> 
     def post(params, y, rows):
         return call(params, rows, lambda stack, carry, fn: y, True)
 
-    def forward(params, rows):
+    def forward(params, rows, taps=None):
+        if taps is not None:  # ZeRO-3 reduces in the scan through its gathers' transpose
+            raise ValueError("ZeRO-3's forward takes no layer taps")
         fired.clear()
         x, sown_pre = jax.checkpoint(pre, policy=policy)(params, rows)
         if not fired:  # no layer scan: `pre` ran the whole model

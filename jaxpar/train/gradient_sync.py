@@ -8,7 +8,7 @@ from jaxpar.collectives.onebit_adam import OneBitAdamReducer
 from jaxpar.collectives.reducer import GradientReducer
 from jaxpar.config import GradientCompressionConfig
 from jaxpar.parallel.data import AllReduce
-from jaxpar.parallel.sync import GradientSync
+from jaxpar.parallel.sync import GradientSync, flat_paths
 from jaxpar.sharding import Plan
 
 
@@ -24,4 +24,6 @@ def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = No
                                  specs["grad"], wire_dtype)
     if compression is not None and compression.method != "none":
         return GradientReducer(compression, plan, model, specs["grad"], wire_dtype=wire_dtype)
-    return AllReduce(plan, specs["grad"], specs["opt"], wire_dtype)
+    layered = frozenset(p for p, ax in flat_paths(model.axes, is_leaf=lambda x: isinstance(x, tuple)).items()
+                        if ax[:1] == ("layers",))
+    return AllReduce(plan, specs["grad"], specs["opt"], wire_dtype, layered)

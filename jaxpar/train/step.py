@@ -3,9 +3,11 @@
    shard_map (manual over the batch axes [+ pipeline]; tensor & co. left to the compiler)
      accumulate over microbatches (train/accumulate.py: a scan, or the pipeline's timetable):
        forward + backward of the local slice (train/forward.py; ZeRO-3 gathers per layer),
-       each microbatch's gradients through the sync's hook (ZeRO-2 reduce-scatters them)
-     the sync's final reduction (parallel/sync.py: psum / ZeRO-1 reduce-scatter, compressed,
-       1-bit Adam, local SGD)
+       the layer stacks' gradients reduced inside the backward layer scan, layer by layer, where
+         the sync can (sync.in_scan: ZeRO-0/1/2 without a pipeline; train/layer_grads.py),
+       each microbatch's other gradients through the sync's hook (ZeRO-2 reduce-scatters them)
+     the sync's final reduction of the rest (parallel/sync.py: psum / ZeRO-1 reduce-scatter,
+       compressed, 1-bit Adam, local SGD)
    the sync applies the optimizer update; params come out in their plan.
 """
 from __future__ import annotations

@@ -1,0 +1,119 @@
+"""Layer gradients are reduced inside the backward layer scan (train/layer_grads.py), where XLA
+can overlap them with the next layer's backward: counted in the compiled HLO's while-loop bodies
+(jaxpar.metrics.loop_collectives). Gradient equality with one device: tests/test_layout_grads.py."""
+import math
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.metrics import loop_collectives
+from jaxpar.parallel.sync import flat_paths
+from jaxpar.sharding import ZERO_AXIS, entry_axes
+from jaxpar.train.trainer import Trainer
+from tests.conftest import tiny_config
+
+LAYOUTS = {
+    "zero0-dp8-accum2": ["mesh.data=8", "sharding.zero_stage=0", "train.grad_accum=2"],
+    "zero1-fsdp8-accum2": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=1", "train.grad_accum=2"],
+    "zero2-fsdp8-accum2": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=2", "train.grad_accum=2"],
+    "zero2-dp2-fsdp4-accum2": ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=2", "train.grad_accum=2"],
+    "zero3-fsdp8": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=3"],
+}
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+@pytest.fixture(scope="module")
+def compiled(devices):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            t = Trainer(tiny_config(*LAYOUTS[name], "train.seq_len=16"), devices=devices, log=lambda s: None)
+            cache[name] = (t, t.compile())
+        return cache[name]
+    return get
+
+
+def _layered(t: Trainer) -> dict:
+    """{path: axes} of the stacked layer params."""
+    axes = flat_paths(t.model.axes, is_leaf=lambda x: isinstance(x, tuple))
+    return {p: ax for p, ax in axes.items() if ax[:1] == ("layers",)}
+
+
+def _fsdp_sharded(t: Trainer, path) -> bool:
+    spec = flat_paths(t.spec.grad_specs)[path]
+    return any(ZERO_AXIS in entry_axes(e) for e in spec)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layer_gradients_reduced_inside_the_backward_loop(name, compiled):
+    t, c = compiled(name)
+    cfg, text = t.cfg, c.as_text()
+    count, nbytes = loop_collectives(text), loop_collectives(text, "bytes")
+    L, m, stage = cfg.model.n_layers, cfg.train.grad_accum, cfg.sharding.zero_stage
+    layered = _layered(t)
+    sharded = [p for p in layered if _fsdp_sharded(t, p)]
+    inside = count["inside"]
+    if stage == 0:  # one all-reduce per leaf per layer per step, whatever the microbatch count
+        assert inside["all-reduce"] == len(layered) * L, count
+        assert inside["reduce-scatter"] == 0, count
+    elif stage == 1:  # reduce-scattered to the optimizer shard (norm scales: all-reduced), once
+        assert inside["all-reduce"] + inside["reduce-scatter"] == len(layered) * L, count
+        assert inside["reduce-scatter"] >= len(sharded) * L if sharded else True, count
+    elif stage == 2:  # reduce-scattered over fsdp per microbatch; over `data` once per step
+        data = t.plan.mesh.shape["data"] > 1
+        assert inside["reduce-scatter"] == len(sharded) * L * m, count
+        assert inside["all-reduce"] == ((len(layered) if data else len(layered) - len(sharded)) * L), count
+    else:  # ZeRO-3: the gathers' transpose
+        assert inside["reduce-scatter"] == len(sharded) * L, count
+    # what is reduced after the loops is no bigger than the params outside the stack (embeddings,
+    # head, final norm) plus ZeRO-3's replicated norm scales: never the layer gradients
+    shapes = flat_paths(t.model.shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    top = sum(4 * math.prod(s.shape) for p, s in shapes.items() if p not in layered)
+    replicated = sum(4 * math.prod(shapes[p].shape) for p in layered if p not in sharded) if stage == 3 else 0
+    outside = sum(nbytes["outside"][k] for k in REDUCTIONS)
+    assert outside <= top + replicated + 4096, (outside, top, nbytes)
+    stacked = sum(4 * math.prod(shapes[p].shape) for p in layered)
+    assert sum(nbytes["inside"][k] for k in REDUCTIONS) >= (stacked - replicated) / 8, nbytes
+
+
+def test_zero2_temp_memory_below_zero1_by_half_the_gradient(compiled):
+    """With accumulation ZeRO-1 holds the whole local gradient between microbatches, ZeRO-2 only
+    its fsdp shard of it. (With one microbatch both reduce-scatter every layer in the backward
+    and neither holds the whole gradient: their temp memory is the same.)"""
+    t1, c1 = compiled("zero1-fsdp8-accum2")
+    _, c2 = compiled("zero2-fsdp8-accum2")
+    full = 4 * t1.model.n_params  # float32 accumulator
+    temp1, temp2 = c1.memory_analysis().temp_size_in_bytes, c2.memory_analysis().temp_size_in_bytes
+    assert temp2 <= temp1 - full / 2, (temp1, temp2, full)
+
+
+def test_compressed_error_feedback_keeps_its_post_scan_reduction(devices):
+    """int8 (error feedback: its residuals are per bucket of the whole gradient) reduces after
+    the scan: the sync hands no leaf to the layer scan."""
+    t = Trainer(tiny_config("mesh.data=8", "gradient_compression.method=int8", "train.seq_len=16"),
+                devices=devices, log=lambda s: None)
+    assert not t.spec.sync.in_scan
+
+
+def test_loop_collectives_rejects_a_bad_measure():
+    with pytest.raises(ValueError, match="measure='time'"):
+        loop_collectives("", "time")
+
+
+def test_loop_collectives_counts_loop_bodies_times_their_trips(devices):
+    mesh = jax.make_mesh((8,), ("data",), devices=devices)
+
+    def f(x):
+        def body(c, _):
+            return jax.lax.psum(c, "data") * 0.5, None
+        y, _ = jax.lax.scan(body, x, None, length=3)
+        return jax.lax.psum(y, "data")
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False))
+    x = jax.ShapeDtypeStruct((8, 4), jax.numpy.float32, sharding=jax.sharding.NamedSharding(mesh, P("data")))
+    text = g.lower(x).compile().as_text()
+    got = loop_collectives(text)
+    assert got["inside"]["all-reduce"] == 3 and got["outside"]["all-reduce"] == 1, got
+    assert loop_collectives(text, "bytes")["inside"]["all-reduce"] == 3 * 4 * 4
