@@ -11,9 +11,11 @@ if "--xla_backend_optimization_level" not in _flags:
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for this run, shared by the xdist workers (they inherit the variable the
-# controller sets here): tests build a fresh Trainer, so a fresh jit, for configs other tests
-# compiled already (the one-device references above all); XLA's cache makes the repeat a load.
-# Empty at the start of every run and removed at its end, so no test depends on an earlier run.
+# controller sets here) and by the processes tests start (jaxpar train / launch children read
+# JAX_COMPILATION_CACHE_DIR): tests build a fresh Trainer, so a fresh jit, for configs other tests
+# compiled already (the one-device references above all), and a restarted process compiles what
+# it compiled before it was killed; XLA's cache makes the repeat a load. Empty at the start of
+# every run and removed at its end, so no test depends on an earlier run.
 _CACHE_VAR = "JAXPAR_TEST_COMPILE_CACHE"
 if _CACHE_VAR not in os.environ:
     import tempfile
@@ -21,12 +23,12 @@ if _CACHE_VAR not in os.environ:
     _OWN_CACHE = True
 else:
     _OWN_CACHE = False
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE_VAR])
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VAR])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 from jaxpar.config import make_config  # noqa: E402
 

@@ -38,6 +38,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+MAX_DIR = 60  # + "/slurmd/localhost_<job>.<step>" (about 40) stays under 108
+
+
+@contextlib.contextmanager
+def short_dir():
+    """A fresh directory with a short path under /tmp, removed afterwards."""
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="jaxpar-slurm-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _conf(d: Path, cpus: int) -> str:
     ctld, slurmd = _free_port(), _free_port()
     return f"""\
@@ -88,8 +102,13 @@ def _cancel_all(env: dict) -> None:
 
 @contextlib.contextmanager
 def one_node_slurm(d: Path, cpus: int | None = None):
-    """Bring the cluster up in `d`, yield the environment its clients need, tear it down."""
+    """Bring the cluster up in `d`, yield the environment its clients need, tear it down. `d`
+    must be a short path: munged's and slurmstepd's Unix sockets live in it, and a socket path
+    has at most 108 bytes (pytest's tmp_path under xdist is too long: use short_dir())."""
     d = Path(d).resolve()
+    if len(str(d)) > MAX_DIR:
+        raise ValueError(f"one-node SLURM: {d} is {len(str(d))} characters, over {MAX_DIR}: the "
+                         f"Unix sockets in it would pass the 108-byte limit; use short_dir()")
     for sub in ("ctld", "slurmd", "munge"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o755)

@@ -23,6 +23,8 @@ from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.grad_util import run_steps
 
+pytestmark = pytest.mark.xdist_group("context")  # its module fixtures are built once, on one worker
+
 B, S, D = 2, 64, 8
 SEGMENTS = np.array([[0] * 23 + [1] * 18 + [2] * 23, [7] * 64], np.int32)
 

@@ -25,6 +25,8 @@ from jaxpar.launch import run_dir_of
 from jaxpar.observe.events import read_events, record
 from jaxpar.observe.goodput import CAUSES, account, goodput_of
 
+pytestmark = pytest.mark.xdist_group("goodput")  # its module fixtures are built once, on one worker
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -29,7 +29,8 @@ from tests.grad_util import run_steps
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "hf"
 NAMES = ("llama_gqa", "mixtral")
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"no HF fixtures in {FIXTURES}")
+pytestmark = [pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"no HF fixtures in {FIXTURES}"),
+              pytest.mark.xdist_group("hf")]  # its module fixtures are built once, on one worker
 
 
 def st():

@@ -14,11 +14,17 @@ from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 
 LAYOUTS = {
+    "zero0-dp8": ["mesh.data=8", "sharding.zero_stage=0"],
+    "zero1-fsdp8": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=1"],
+    "zero2-fsdp8": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=2"],
+    "zero2-dp2-fsdp4": ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=2"],
+    "zero3-fsdp8": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=3"],
+}
+# with accumulation the gradients reduce after the microbatch loop (train/gradient_sync.make_sync)
+ACCUM = {
     "zero0-dp8-accum2": ["mesh.data=8", "sharding.zero_stage=0", "train.grad_accum=2"],
     "zero1-fsdp8-accum2": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=1", "train.grad_accum=2"],
     "zero2-fsdp8-accum2": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=2", "train.grad_accum=2"],
-    "zero2-dp2-fsdp4-accum2": ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=2", "train.grad_accum=2"],
-    "zero3-fsdp8": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=3"],
 }
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
@@ -29,7 +35,8 @@ def compiled(devices):
 
     def get(name):
         if name not in cache:
-            t = Trainer(tiny_config(*LAYOUTS[name], "train.seq_len=16"), devices=devices, log=lambda s: None)
+            t = Trainer(tiny_config(*{**LAYOUTS, **ACCUM}[name], "train.seq_len=16"), devices=devices,
+                        log=lambda s: None)
             cache[name] = (t, t.compile())
         return cache[name]
     return get
@@ -80,8 +87,8 @@ def test_layer_gradients_reduced_inside_the_backward_loop(name, compiled):
 
 def test_zero2_temp_memory_below_zero1_by_half_the_gradient(compiled):
     """With accumulation ZeRO-1 holds the whole local gradient between microbatches, ZeRO-2 only
-    its fsdp shard of it. (With one microbatch both reduce-scatter every layer in the backward
-    and neither holds the whole gradient: their temp memory is the same.)"""
+    its fsdp shard of it (each microbatch's reduce-scattered). (With one microbatch both
+    reduce-scatter every layer in the backward and neither holds the whole gradient.)"""
     t1, c1 = compiled("zero1-fsdp8-accum2")
     _, c2 = compiled("zero2-fsdp8-accum2")
     full = 4 * t1.model.n_params  # float32 accumulator

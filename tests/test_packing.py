@@ -20,6 +20,8 @@ from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.grad_util import place_batch, to_numpy
 
+pytestmark = pytest.mark.xdist_group("packing")  # its module fixtures are built once, on one worker
+
 EOS, SEQ, VOCAB = 0, 32, 256
 QUIET = lambda s: None
 

@@ -43,18 +43,18 @@ def test_pipeline_matches_plain_step(name, reference, devices):
 
 
 def test_1f1b_memory_flat_gpipe_grows(devices):
-    """Microbatch size fixed (2 sequences of 64 tokens), microbatches 8 -> 16 (1f1b holds
-    2p - 1 = 7 on device 0 from m = 7 on)."""
+    """Microbatch size fixed (2 sequences of 64 tokens), microbatches 4 -> 8 on 2 stages (1f1b
+    holds 2p - 1 = 3 on device 0 from m = 3 on)."""
     def temp(schedule, m):
-        return temp_bytes(["model.n_layers=4", "mesh.data=1", "mesh.pipeline=4", "train.seq_len=64",
+        return temp_bytes(["model.n_layers=4", "mesh.data=1", "mesh.pipeline=2", "train.seq_len=64",
                            f"train.global_batch={2 * m}", f"train.grad_accum={m}",
-                           f"pipeline.schedule={schedule}"], devices[:4])
-    one = [temp("1f1b", m) for m in (8, 16)]
-    gp = [temp("gpipe", m) for m in (8, 16)]
+                           f"pipeline.schedule={schedule}"], devices[:2])
+    one = [temp("1f1b", m) for m in (4, 8)]
+    gp = [temp("gpipe", m) for m in (4, 8)]
     assert one[1] <= 1.1 * one[0], one
     # gpipe keeps every microbatch's residuals (more than its stage input, [2, 64, 128] float32)
     stage_input = 2 * 64 * 128 * 4
-    assert gp[1] - gp[0] >= 8 * stage_input, gp
+    assert gp[1] - gp[0] >= 4 * stage_input, gp
 
 
 def test_trainer_loss_curve_matches(devices):

@@ -9,6 +9,8 @@ from jaxpar.parallel.pipeline.schedule import B_FIRST, B_LAST, B_MID, BX_FIRST, 
 from tests.pipeline_util import branch_flops, loss_and_grads
 from tests.test_pipeline import assert_matches
 
+pytestmark = pytest.mark.xdist_group("pipeline_perf")  # its module fixtures are built once, on one worker
+
 P4 = ["model.n_layers=4", "mesh.data=1", "mesh.pipeline=4", "train.grad_accum=4"]
 CODES = (B_FIRST, B_MID, B_LAST)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_cluster import missing, one_node_slurm
+from tests.slurm_cluster import missing, one_node_slurm, short_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def _finished(env: dict, job: str, restarts: int):
     return None
 
 
-def test_sbatch_trains_like_launch_saves_on_scancel_and_resumes_when_requeued(work, reference, tmp_path):
+def test_sbatch_trains_like_launch_saves_on_scancel_and_resumes_when_requeued(work, reference):
     sys.path.insert(0, str(ROOT / "deploy"))
     from render import render
     sys.path.pop(0)
@@ -131,7 +131,7 @@ def test_sbatch_trains_like_launch_saves_on_scancel_and_resumes_when_requeued(wo
         PORT=str(_free_port()), PREEMPT_NOTICE_S="120", SAVE_GRACE_S="90"))
     (work / "job.sbatch").write_text(script)
     times = TIMES
-    with one_node_slurm(tmp_path / "slurm") as cluster:
+    with short_dir() as slurm_dir, one_node_slurm(slurm_dir) as cluster:
         env = {**_env(work), "SLURM_CONF": cluster["SLURM_CONF"]}
         t0 = time.monotonic()
         r = subprocess.run(["sbatch", "--parsable", "job.sbatch"], env=env, cwd=work, capture_output=True,
@@ -139,7 +139,7 @@ def test_sbatch_trains_like_launch_saves_on_scancel_and_resumes_when_requeued(wo
         assert r.returncode == 0, r.stderr
         job = r.stdout.strip().split(";")[0]
         out = work / f"sl-{job}.out"
-        logs = (out, tmp_path / "slurm" / "slurmctld.log", tmp_path / "slurm" / "slurmd.log")
+        logs = (out, slurm_dir / "slurmctld.log", slurm_dir / "slurmd.log")
         _wait(lambda: _job(env, job)["JobState"] == "RUNNING", 30, "the job running", logs)
         times["submit_to_running_s"] = time.monotonic() - t0
         # config.yaml: both processes joined and agreed on the resume plan, the step is compiling.

@@ -17,6 +17,8 @@ from jaxpar.data import DataLoader, build_source, open_bin
 from jaxpar.data.prepare import prepare, read_index, read_meta
 from jaxpar.data.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.xdist_group("tokenizer")  # its module fixtures are built once, on one worker
+
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 FILES = sorted(str(p) for p in (STDLIB / "json").glob("*.py")) + [str(STDLIB / "textwrap.py")]
 VOCAB = 512

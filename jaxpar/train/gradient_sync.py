@@ -13,10 +13,15 @@ from jaxpar.sharding import Plan
 
 
 def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = None, optimizer: Any = None,
-              local_sgd: Any = None, wire_dtype: Any = None) -> GradientSync:
+              local_sgd: Any = None, wire_dtype: Any = None, in_scan: bool = True) -> GradientSync:
     """`specs`: the model's "param", "grad" and "opt" PartitionSpecs. Local SGD when replicas step
     alone (local_sgd.sync_every > 1), 1-bit Adam's momentum exchange when it is the optimizer, a
-    compressed reduction when gradient_compression.method is not none, else the plain psum."""
+    compressed reduction when gradient_compression.method is not none, else the plain psum.
+    `in_scan`: the psum may reduce the layer stacks inside the backward layer scan (the step
+    passes False with accumulation: the last microbatch then runs outside the microbatch loop,
+    and XLA:CPU does not share its activations' buffers with the loop's, which gave
+    grad_accum=2 the temp memory of no accumulation; until it runs inside the loop, accumulated
+    gradients reduce after it)."""
     if local_sgd is not None and local_sgd.sync_every > 1:
         return LocalSGD(local_sgd, plan, specs["param"], specs["grad"], compression, optimizer, wire_dtype)
     if optimizer is not None and getattr(optimizer, "name", "adamw") == "onebit_adam":
@@ -25,5 +30,5 @@ def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = No
     if compression is not None and compression.method != "none":
         return GradientReducer(compression, plan, model, specs["grad"], wire_dtype=wire_dtype)
     layered = frozenset(p for p, ax in flat_paths(model.axes, is_leaf=lambda x: isinstance(x, tuple)).items()
-                        if ax[:1] == ("layers",))
+                        if ax[:1] == ("layers",) and in_scan)
     return AllReduce(plan, specs["grad"], specs["opt"], wire_dtype, layered)

@@ -13,7 +13,9 @@ With several microbatches the microbatches but the last are `scatter`ed (the syn
 per-microbatch part, ZeRO-2's reduce-scatter over fsdp; ZeRO-0/1: nothing) and summed; the last
 microbatch's tap adds that sum, layer by layer (scanned beside the sink), to its own scattered
 gradient before the rest of the reduction (`finish`): one all-reduce (ZeRO-0/1) per layer per
-step, and ZeRO-2 holds only gradient shards.
+step, and ZeRO-2 holds only gradient shards. The step uses this with one microbatch only
+(train/gradient_sync.make_sync: XLA:CPU gives the last microbatch's activations, outside the
+loop, buffers of their own, so accumulation would lose its memory saving).
 """
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def _is_axes(x) -> bool:
 
 def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation, compression: Any = None,
                    optimizer: Any = None, local_sgd: Any = None,
-                   grad_reduce_dtype: str = "float32") -> StepSpec:
+                   grad_reduce_dtype: str = "float32", grad_accum: int = 1) -> StepSpec:
     specs = {use: jax.tree.map(lambda ax, s, use=use: plan.spec(ax, s.shape, use), model.axes, model.shapes,
                                is_leaf=_is_axes) for use in ("param", "grad", "opt")}
     to_sh = lambda spec: plan.sharding(spec)
@@ -59,7 +59,7 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
         transform_non_params=lambda _: to_sh(P()), is_leaf=is_spec,
     )
     sync = make_sync(model, plan, specs, compression=compression, optimizer=optimizer, local_sgd=local_sgd,
-                     wire_dtype=DTYPES[grad_reduce_dtype])
+                     wire_dtype=DTYPES[grad_reduce_dtype], in_scan=grad_accum == 1)
     shardings = sync.state_shardings({"step": to_sh(P()), "opt_state": opt_shardings,
                                       "params": jax.tree.map(to_sh, specs["param"], is_leaf=is_spec)})
     return StepSpec(specs["param"], specs["grad"], shardings, plan.sharding(plan.batch_spec()), sync)

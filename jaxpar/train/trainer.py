@@ -73,7 +73,8 @@ class Trainer:
         self.tx = apply_precision(build_optimizer(cfg.optimizer, cfg.train.steps, self.model.axes), cfg.train)
         self.spec = make_step_spec(self.model, self.plan, self.tx, compression=cfg.gradient_compression,
                                    optimizer=cfg.optimizer, local_sgd=cfg.local_sgd,
-                                   grad_reduce_dtype=cfg.train.grad_reduce_dtype)
+                                   grad_reduce_dtype=cfg.train.grad_reduce_dtype,
+                                   grad_accum=cfg.train.grad_accum)
         named = {}
         flat_specs = self.model.leaves_with_paths(self.spec.param_specs)
         for path, sds in self.model.leaves_with_paths(self.model.shapes).items():
