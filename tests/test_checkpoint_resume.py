@@ -16,21 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.run_configs import layout_run_yaml
+
 # one worker runs them all (with `-n 2 --dist loadgroup`): they share the reference run
 pytestmark = pytest.mark.xdist_group("checkpoint_resume")
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
-CONFIG = f"""\
-name: ck
-model: {{preset: tiny, n_layers: 2}}
-mesh: {{data: 2, fsdp: 2, tensor: 2}}
-sharding: {{zero_stage: 1}}
-train: {{steps: {STEPS}, global_batch: 16, seq_len: 32, compute_dtype: float32, progress: false,
-        log_every: 1}}
-optimizer: {{warmup_steps: 1, decay_steps: {STEPS}}}
-data: {{source: synthetic}}
-checkpoint: {{every: 2, keep_last: 3, keep_every: 4}}
-"""
+CONFIG = layout_run_yaml("ck", STEPS, "every: 2, keep_last: 3, keep_every: 4")
 
 
 _SEEDS = iter(range(1, 1000))

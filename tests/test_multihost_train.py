@@ -25,21 +25,12 @@ import pytest
 
 from jaxpar.config import make_config
 from jaxpar.train.trainer import Trainer
+from tests.run_configs import layout_run_yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost_train")]
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
-CONFIG = f"""\
-name: mh
-model: {{preset: tiny, n_layers: 2}}
-mesh: {{data: 2, fsdp: 2, tensor: 2}}
-sharding: {{zero_stage: 1}}
-train: {{steps: {STEPS}, global_batch: 16, seq_len: 32, compute_dtype: float32, progress: false,
-        log_every: 1}}
-optimizer: {{warmup_steps: 1, decay_steps: {STEPS}}}
-data: {{source: synthetic}}
-checkpoint: {{every: 3, keep_last: 3}}
-"""
+CONFIG = layout_run_yaml("mh", STEPS, "every: 3, keep_last: 3")
 
 
 @pytest.fixture(scope="module")

@@ -22,22 +22,13 @@ from pathlib import Path
 import pytest
 
 from tests.slurm_cluster import missing, one_node_slurm, short_dir
+from tests.run_configs import layout_run_yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
 TIMES: dict = {}  # what the run measured, printed at the end (docs/benchmarks.md)
-CONFIG = f"""\
-name: sl
-model: {{preset: tiny, n_layers: 2}}
-mesh: {{data: 2, fsdp: 2, tensor: 2}}
-sharding: {{zero_stage: 1}}
-train: {{steps: {STEPS}, global_batch: 16, seq_len: 32, compute_dtype: float32, progress: false,
-        log_every: 1}}
-optimizer: {{warmup_steps: 1, decay_steps: {STEPS}}}
-data: {{source: synthetic}}
-checkpoint: {{every: 1000, keep_last: 2}}
-"""
+CONFIG = layout_run_yaml("sl", STEPS, "every: 1000, keep_last: 2")
 if missing():
     pytest.skip(f"a one-node SLURM needs {', '.join(missing())} (apt-get install slurm-wlm munge)",
                 allow_module_level=True)

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel.sync import GradientSync, flat_paths, is_spec
+from jaxpar.parallel.sync import GradientSync, flat_paths
 from jaxpar.sharding import entry_axes, vary
+from jaxpar.train.model import nest
 
 
 def tap(x: jax.Array, acc, sink: jax.Array, reduce: Callable) -> jax.Array:
@@ -99,15 +100,15 @@ class LayerGrads:
         self.last = {p: (_local(flat_shapes[p].shape, final_out[p], manual, sizes), wire,
                          _axes(final_out[p], manual, sizes)) for p in self.paths}
         top_specs = {k: v for k, v in flat_paths(sync.grad_out).items() if k not in sync.in_scan}
-        self.top_specs = _nest(top_specs)
+        self.top_specs = nest(top_specs)
 
     def split(self, params: dict) -> tuple[dict, dict]:
         flat = flat_paths(params, is_leaf=None)
         top = {k: v for k, v in flat.items() if k not in self.sync.in_scan}
-        return _nest(top), {k: flat[k] for k in self.paths}
+        return nest(top), {k: flat[k] for k in self.paths}
 
     def join(self, top: dict, layers: dict) -> dict:
-        return _nest({**flat_paths(top, is_leaf=None), **layers})
+        return nest({**flat_paths(top, is_leaf=None), **layers})
 
     def sinks(self, last: bool) -> dict:
         kinds = self.last if last else self.mid
@@ -134,13 +135,3 @@ class LayerGrads:
     def zeros_acc(self) -> dict:
         return {p: vary(jnp.zeros(shape, self.accum_dtype), self.varying)
                 for p, (shape, _, _) in self.mid.items()}
-
-
-def _nest(flat: dict[tuple, Any]) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out
