@@ -55,3 +55,17 @@ def pytest_sessionfinish(session):
     if _OWN_CACHE:  # the process that made the cache dir (the xdist controller, or a plain run)
         import shutil
         shutil.rmtree(os.environ[_CACHE_VAR], ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` a worker's grouped tests carry `@group` in their node ids (how
+    pytest-xdist sends them to one worker); without it the groups are silently ignored and every
+    module fixture is built on each worker (pytest-xdist 3.8 with pytest 9.2 did that)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+            raise pytest.UsageError(
+                f"--dist loadgroup is not grouping {item.nodeid}: this pytest-xdist does not work with "
+                f"pytest {pytest.__version__} (pyproject.toml pins the versions that do)")
