@@ -21,11 +21,13 @@ LAYOUTS = {  # name: (reference, overrides)
     "data8-accum2": (DENSE, ["mesh.data=8", "sharding.zero_stage=0", "train.grad_accum=2"]),
     "fsdp8-zero1": (DENSE, ["mesh.fsdp=8", "sharding.zero_stage=1"]),
     "fsdp8-zero2": (DENSE, ["mesh.fsdp=8", "sharding.zero_stage=2"]),
-    # the last microbatch's in-scan reduce-scatter adds the others' accumulated gradient
+    # ZeRO-1 with accumulation: one reduction per step after the microbatch loop
     "dp2-fsdp4-zero1-accum2": (DENSE, ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=1",
                                        "train.grad_accum=2"]),
     "fsdp8-zero3": (DENSE, ["mesh.fsdp=8", "sharding.zero_stage=3"]),
     "dp2-fsdp2-tp2-zero3": (DENSE, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=3"]),
+    # in-scan with accumulation: each microbatch's layer gradients reduce-scattered in its backward,
+    # the last one's (a cond in the tap) adding the others' sum and reducing over `data`
     "dp2-fsdp2-tp2-zero2-accum2": (DENSE, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
                                            "train.grad_accum=2", "sharding.zero_stage=2"]),
     "dp2-fsdp4-zero3-accum2-remat": (DENSE, ["mesh.data=2", "mesh.fsdp=4", "train.grad_accum=2",

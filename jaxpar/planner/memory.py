@@ -4,7 +4,8 @@
                 (the same Plan.spec the step uses, on a device-less mesh)
     grads       the gradient the step holds (ZeRO-2/3: its fsdp shard), in float32 when
                 microbatches are accumulated; plus one microbatch's unsharded gradient with
-                accumulation
+                accumulation (ZeRO-2 without a pipeline: of the params outside the layer stack
+                and one layer, the stack's reduce-scattered in the backward layer scan)
     update      the optimizer's transients (Adam's update of the optimizer shard, float32)
     gathered    ZeRO-3: the embedding/head and two layers' weights gathered at once; ZeRO-1/2:
                 the updated params, all-gathered from the optimizer's shards
@@ -157,6 +158,8 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
     stacked_full = 0.0  # one layer's params, gathered (ZeRO-3), per device
     top_full = 0.0      # the embedding / head / final norm, gathered
     grad_full = 0.0     # one microbatch's gradient before any fsdp scatter
+    grad_top = 0.0      # its part outside the layer stack, and one layer's of the stack
+    grad_layer = 0.0
     for axes, sds in _leaves(model):
         shape = sds.shape
         out["params"] += shard_elems(plan, axes, shape, "param") * sizes["params"]
@@ -168,9 +171,13 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
         grad_full += no_fsdp * 4
         if axes[:1] == ("layers",):  # one layer of this device's stage
             stacked_full += no_fsdp / (shape[0] / layout.size("pipeline")) * c
+            grad_layer += no_fsdp / (shape[0] / layout.size("pipeline")) * 4
         else:
             top_full += no_fsdp * c
-    if layout.micro > 1 and layout.zero_stage >= 2:
+            grad_top += no_fsdp * 4
+    if layout.micro > 1 and layout.zero_stage == 2 and layout.size("pipeline") == 1:
+        out["grads"] += grad_top + grad_layer  # the stack's scattered in the backward, layer by layer
+    elif layout.micro > 1 and layout.zero_stage >= 2:
         out["grads"] += grad_full
     if layout.zero_stage >= 3 and layout.size("fsdp") > 1:
         out["gathered"] = top_full + 2 * stacked_full

@@ -36,7 +36,7 @@ def grad_dtype(grad_accum: int, wire_dtype):
 class ScanMicrobatches:
     """value_and_grad of each microbatch in a lax.scan, added to one accumulator. The layer
     stacks the sync reduces in the backward (train/layer_grads.py) are not differentiated: their
-    sinks are; the last microbatch then runs after the scan, its backward finishing each layer's
+    sinks are; every microbatch runs in the scan, the last one's backward finishing each layer's
     reduction with the accumulated gradient of the others."""
 
     forward: Forward
@@ -47,45 +47,41 @@ class ScanMicrobatches:
     layers: LayerGrads
 
     def __call__(self, params, mbs, loss):
-        lg, sync = self.layers, self.sync
+        lg, sync, m = self.layers, self.sync, self.microbatches
         top, stacks = lg.split(params)
 
-        def grads_of(top, mb, last, acc):
+        def grads_of(mb, acc, is_last):
             def mb_loss(diff, mb):
                 top, sinks = diff
                 rows = self.forward.context.split(mb)  # this device's part of each sequence
-                logits, sown = self.forward(lg.join(top, stacks), rows, lg.taps(sinks, acc, last))
+                logits, sown = self.forward(lg.join(top, stacks), rows, lg.taps(sinks, acc, is_last))
                 return loss(logits, rows, sown)
 
-            (_, (value, aux)), (g, g_stacks) = jax.value_and_grad(mb_loss, has_aux=True)(
-                (top, lg.sinks(last)), mb)
-            return sync.microbatch(g, lg.top_specs), g_stacks, (value, aux)
+            (_, (value, aux)), (g, g_sinks) = jax.value_and_grad(mb_loss, has_aux=True)(
+                (top, lg.sinks(accumulating=m > 1)), mb)
+            return sync.microbatch(g, lg.top_specs), g_sinks, (value, aux)
+
+        if lg.active and m == 1:
+            g, g_sinks, (value, aux) = grads_of(jax.tree.map(lambda a: a[0], mbs), None, True)
+            finished = {p: last for p, (_, last) in g_sinks.items()}
+            return value[None], lg.join(g, finished), jax.tree.map(lambda a: a[None], aux)
 
         add = lambda a, x: a + x.astype(a.dtype)
 
-        def body(acc, mb):
-            g, g_stacks, out = grads_of(top, mb, False, None)
-            return jax.tree.map(add, acc, (g, g_stacks)), out
+        def body(carry, xs):
+            acc_top, acc_mid, done = carry
+            i, mb = xs
+            g, g_sinks, out = grads_of(mb, acc_mid, i == m - 1)
+            mid = {p: ct for p, (ct, _) in g_sinks.items()}
+            last = {p: ct for p, (_, ct) in g_sinks.items()}
+            return (jax.tree.map(add, acc_top, g), jax.tree.map(add, acc_mid, mid),
+                    jax.tree.map(add, done, last)), out
 
         zeros = jax.eval_shape(lambda: sync.microbatch(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), top), lg.top_specs))
         acc_top = jax.tree.map(lambda z: vary(jnp.zeros(z.shape, self.accum_dtype), self.varying), zeros)
-        acc = (acc_top, lg.zeros_acc())
-        scanned = self.microbatches - 1 if lg.active else self.microbatches
-        if scanned:
-            head = jax.tree.map(lambda a: a[:scanned], mbs)
-            acc, (losses, aux) = jax.lax.scan(body, acc, head)
-        if not lg.active:
-            return losses, lg.join(acc[0], {}), aux
-        g, finished, (value, aux_last) = grads_of(top, jax.tree.map(lambda a: a[-1], mbs), True,
-                                                   acc[1] if scanned else None)
-        grads = jax.tree.map(add, acc[0], g)
-        last = lambda x: x[None]
-        if scanned:
-            losses = jnp.concatenate([losses, last(value)])
-            aux = jax.tree.map(lambda a, b: jnp.concatenate([a, last(b)]), aux, aux_last)
-        else:
-            losses, aux = last(value), jax.tree.map(last, aux_last)
+        carry = (acc_top, lg.zeros_acc() if lg.active else {}, lg.zeros_done() if lg.active else {})
+        (grads, _, finished), (losses, aux) = jax.lax.scan(body, carry, (jnp.arange(m), mbs))
         return losses, lg.join(grads, finished), aux
 
 

@@ -9,19 +9,20 @@ built one layer at a time inside the backward loop, where XLA can overlap each l
 collective with the next layer's backward; the full local gradient of the stack never exists
 unless accumulation keeps it.
 
-With several microbatches the microbatches but the last are `scatter`ed (the sync's
-per-microbatch part, ZeRO-2's reduce-scatter over fsdp; ZeRO-0/1: nothing) and summed; the last
-microbatch's tap adds that sum, layer by layer (scanned beside the sink), to its own scattered
-gradient before the rest of the reduction (`finish`): one all-reduce (ZeRO-0/1) per layer per
-step, and ZeRO-2 holds only gradient shards. The step uses this with one microbatch only
-(train/gradient_sync.make_sync: XLA:CPU gives the last microbatch's activations, outside the
-loop, buffers of their own, so accumulation would lose its memory saving).
+With several microbatches every microbatch runs inside the microbatch loop, with two sinks per
+stack: the *mid* sink takes the sync's per-microbatch part (`scatter_layer`: ZeRO-2's
+reduce-scatter over fsdp; ZeRO-0/1: nothing), summed over the microbatches in the loop's carry;
+on the last microbatch (a traced flag: a `lax.cond` in the tap's backward) the *last* sink takes
+instead the layer's scattered gradient plus that sum, reduced the rest of the way
+(`finish_layer`): one all-reduce (ZeRO-0/1) per layer per step, inside the last backward, and
+ZeRO-2 holds only gradient shards. (Running the last microbatch after the loop instead gave its
+activations buffers of their own on XLA:CPU: accumulation lost its memory saving.)
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,40 +30,65 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.parallel.sync import GradientSync, flat_paths
-from jaxpar.sharding import entry_axes, vary
+from jaxpar.sharding import entry_axes, vary, varying_axes
 from jaxpar.train.model import nest
 
 
-def tap(x: jax.Array, acc, sink: jax.Array, reduce: Callable) -> jax.Array:
-    """x, whose cotangent g goes to `sink` as reduce(g, acc) (in the sink's dtype); `acc` (or
-    None) rides along for the backward. x and acc get no gradient (they are not differentiated)."""
+def _zeros_like(aval: tuple) -> jax.Array:
+    shape, dtype, axes = aval
+    return vary(jnp.zeros(shape, dtype), axes)
+
+
+def _aval(x: jax.Array) -> tuple:
+    return x.shape, x.dtype, tuple(sorted(varying_axes(x)))
+
+
+def tap(x: jax.Array, acc, sinks: tuple, is_last, reducers: tuple) -> jax.Array:
+    """x, whose cotangent g goes to the sinks (mid, last): on the last microbatch (`is_last`)
+    last <- finish(g, acc) and mid gets zeros, before it mid <- scatter(g) and last gets zeros.
+    With one microbatch `mid` is None and `is_last` True. `acc` (or None) rides along for the
+    backward; x and acc get no gradient (they are not differentiated)."""
+    mid, last = sinks
+    scatter, finish = reducers
+    mid_aval, last_aval = (None if mid is None else _aval(mid)), _aval(last)
+
     @jax.custom_vjp
-    def ident(x, acc, sink):
+    def ident(x, acc, sinks, is_last):
         return x
 
-    def fwd(x, acc, sink):
-        return x, acc
+    def fwd(x, acc, sinks, is_last):
+        return x, (acc, is_last)
 
-    def bwd(acc, g):
-        return None, None, reduce(g, acc).astype(sink.dtype)
+    def bwd(res, g):
+        acc, is_last = res
+        to_last = lambda g, acc: finish(g, acc).astype(last_aval[1])
+        if mid_aval is None:
+            return None, None, (None, to_last(g, acc)), None
+        cts = jax.lax.cond(is_last,
+                           lambda g, acc: (_zeros_like(mid_aval), to_last(g, acc)),
+                           lambda g, acc: (scatter(g).astype(mid_aval[1]), _zeros_like(last_aval)),
+                           g, acc)
+        return None, None, cts, None
 
     ident.defvjp(fwd, bwd)
-    return ident(x, acc, sink)
+    return ident(x, acc, sinks, is_last)
 
 
 @dataclass(frozen=True)
 class Taps:
-    """nn.Context.layer_taps: per stack-relative path, (acc or None, sink) stacked over layers."""
+    """nn.Context.layer_taps: per stack-relative path, (acc or None, (mid sink or None, last
+    sink)) stacked over layers; `is_last`: whether this is the step's last microbatch."""
 
     xs: dict
-    reducers: dict  # stack-relative path -> reduce(g, acc)
+    reducers: dict  # stack-relative path -> (scatter(g), finish(g, acc))
+    is_last: Any = True
 
     def apply(self, layer_state, xs):
         items = []
         for path, var in nnx.to_flat_state(layer_state):
             if path in self.reducers:
-                acc, sink = xs[path]
-                var = var.replace(tap(var[...], acc, sink, self.reducers[path]))
+                acc, sinks = xs[path]
+                var = var.replace(tap(var[...], acc, sinks, self.is_last, self.reducers[path]))
             items.append((path, var))
         return nnx.from_flat_state(items)
 
@@ -110,28 +136,31 @@ class LayerGrads:
     def join(self, top: dict, layers: dict) -> dict:
         return nest({**flat_paths(top, is_leaf=None), **layers})
 
-    def sinks(self, last: bool) -> dict:
-        kinds = self.last if last else self.mid
-        return {p: vary(jnp.zeros(shape, dtype), axes) for p, (shape, dtype, axes) in kinds.items()}
+    def sinks(self, accumulating: bool) -> dict:
+        """Per path (mid sink, last sink): zeros to differentiate; no mid sink for one microbatch."""
+        make = lambda kinds, p: vary(jnp.zeros(kinds[p][0], kinds[p][1]), kinds[p][2])
+        return {p: (make(self.mid, p) if accumulating else None, make(self.last, p)) for p in self.paths}
 
-    def taps(self, sinks: dict, acc: dict | None, last: bool) -> Taps | None:
+    def taps(self, sinks: dict, acc: dict | None, is_last) -> Taps | None:
         if not self.active:
             return None
         sync = self.sync
 
-        def reducer(path):
-            if not last:
-                return lambda g, _: sync.scatter_layer(g, path)
-
+        def reducers(path):
             def finish(g, acc):
                 g = sync.scatter_layer(g, path)
                 return sync.finish_layer(g if acc is None else g.astype(acc.dtype) + acc, path)
-            return finish
+            return (lambda g: sync.scatter_layer(g, path)), finish
 
         acc = acc or {}  # keyed like the stack's own state: the path below the stack's attribute
         xs = {p[1:]: (acc.get(p), sinks[p]) for p in self.paths}
-        return Taps(xs, {p[1:]: reducer(p) for p in self.paths})
+        return Taps(xs, {p[1:]: reducers(p) for p in self.paths}, is_last)
 
     def zeros_acc(self) -> dict:
+        """The loop carry's sum of the mid sinks (the scattered gradients before the last)."""
         return {p: vary(jnp.zeros(shape, self.accum_dtype), self.varying)
                 for p, (shape, _, _) in self.mid.items()}
+
+    def zeros_done(self) -> dict:
+        """The loop carry that receives the last sinks' reduced gradients (zeros until then)."""
+        return {p: vary(jnp.zeros(shape, dtype), axes) for p, (shape, dtype, axes) in self.last.items()}

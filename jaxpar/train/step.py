@@ -59,7 +59,7 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
         transform_non_params=lambda _: to_sh(P()), is_leaf=is_spec,
     )
     sync = make_sync(model, plan, specs, compression=compression, optimizer=optimizer, local_sgd=local_sgd,
-                     wire_dtype=DTYPES[grad_reduce_dtype], in_scan=grad_accum == 1)
+                     wire_dtype=DTYPES[grad_reduce_dtype], accumulating=grad_accum > 1)
     shardings = sync.state_shardings({"step": to_sh(P()), "opt_state": opt_shardings,
                                       "params": jax.tree.map(to_sh, specs["param"], is_leaf=is_spec)})
     return StepSpec(specs["param"], specs["grad"], shardings, plan.sharding(plan.batch_spec()), sync)
