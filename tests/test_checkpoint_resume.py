@@ -123,15 +123,10 @@ def test_sigkill_anywhere_resumes_bit_for_bit(work, reference):
     assert "resumed from" in out
     assert finalized(run)[-1] == 6, "the save of step 8 finished before the kill; the test needs it in flight"
     assert max(losses(run)) == 8  # metrics past the last whole checkpoint: dropped on resume
-    # 3. resumes from 6 (the half-written 8 is not taken for a whole one); killed after step 9
-    rc, out = drive(work, run, kill_at=9)
-    assert rc == -signal.SIGKILL, out
-    assert "checkpoints/6 (step 6" in out
-    # 4. resumes from the latest whole checkpoint and finishes
-    latest = finalized(run)[-1]
+    # 3. resumes from 6 (the half-written 8 is not taken for a whole one) and finishes
     rc, out = drive(work, run)
     assert rc == 0, out
-    assert f"checkpoints/{latest} (step {latest}" in out
+    assert "checkpoints/6 (step 6" in out
     assert_same_run(run, work / "ref")
 
 

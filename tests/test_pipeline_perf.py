@@ -70,10 +70,10 @@ def test_zb_h1_input_half_has_no_weight_gradient(flops, devices):
 
 
 # pipeline alone (every schedule, zb_h1 too, p = 2 and 4, without recompute: the default) is
-# tests/test_pipeline.py's full matrix; here the compositions with data, tensor and ZeRO-3
+# tests/test_pipeline.py's full matrix, 1f1b with data and tensor its dp2-pp2-tp2 case; here zb_h1
+# and ZeRO-3 composed
 @pytest.mark.parametrize("overrides", [
     ["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=4", "pipeline.schedule=zb_h1"],
-    ["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=2"],
     ["mesh.fsdp=2", "mesh.pipeline=2", "sharding.zero_stage=3", "train.grad_accum=2", "mesh.tensor=2"],
 ])
 def test_no_recompute_grads_match_one_device(overrides, reference, devices):
