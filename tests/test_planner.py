@@ -13,7 +13,7 @@ from jaxpar.planner.comm import step_collectives
 from jaxpar.planner.layout import Layout, abstract_plan
 from jaxpar.planner.memory import estimate
 from jaxpar.planner.published import WEAK_SCALING, check_run
-from jaxpar.planner.search import HEADROOM, search
+from jaxpar.planner.search import CONTEXT_MIN_SEQ, HEADROOM, search
 from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.model import ModelDef
 from jaxpar.train.trainer import Trainer
@@ -43,6 +43,9 @@ LAYOUTS = [
     f"mesh.data=2 mesh.expert=4 model.moe.num_experts=4 {TOL}",
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1",
     "mesh.data=2 mesh.tensor=2 mesh.fsdp=2 sharding.zero_stage=3 train.remat=dots_saveable",
+    # context parallelism: ring (zigzag chunks, permutes of K and V) and all_to_all (head split)
+    "mesh.data=2 mesh.context=4",
+    "mesh.data=4 mesh.context=2 context.strategy=all_to_all",
 ]
 
 
@@ -90,7 +93,7 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
             continue  # scalars and norm-sized reductions
         if tensor and (kind != "all-reduce" or cfg.sharding.sequence_parallel):
             continue
-        if kind == "collective-permute":
+        if kind == "collective-permute" and cfg.mesh.pipeline > 1:
             # the runner's sends sit in per-tick conditionals: the HLO's loop count sees each on
             # every tick (tests/test_pipeline_perf.py checks them against the timetable instead)
             continue
@@ -156,6 +159,28 @@ def test_megatron_weak_scaling_large_row():
     r = check_run(WEAK_SCALING[5])
     assert r["tensor_in_node"] and r["fits"], r
     assert abs(r["best_tflops"] / r["published_tflops"] - 1) <= 0.20, r
+
+
+def test_long_sequences_search_context_parallelism():
+    """configs/long_context.yaml (32K tokens, one sequence per step: no data parallelism) on the
+    cpu8 cluster: splitting the sequence beats the layouts without context (a pipeline of one
+    microbatch idles most ticks, tensor stops at 4 heads); the Trainer accepts the plan. Below
+    CONTEXT_MIN_SEQ the axis is not searched at all."""
+    cfg = load_config("configs/long_context.yaml", ["mesh.context=1"])
+    model = ModelDef.from_factory(llama_model_factory(cfg))
+    result = search(cfg, load_cluster("cpu8"), model)
+    assert result.ranked, result.rejected.keys()
+    best = result.ranked[0]
+    assert best.layout.size("context") > 1, best.layout.label()
+    plain = [s for s in result.ranked if s.layout.size("context") == 1]
+    assert plain and plain[0].time.step_s > 2 * best.time.step_s, (plain[0].layout.label(), best.layout.label())
+    assert best.comm["purpose"]["context"] > 0 and best.time.comm_s["context"] > 0
+    Trainer(best.layout.config(cfg), log=lambda m: None)  # the config checks accept it
+    short = load_config("configs/long_context.yaml", ["mesh.context=1", "train.seq_len=4096"])
+    assert CONTEXT_MIN_SEQ > 4096
+    found = search(short, load_cluster("cpu8"), model)
+    layouts = [s.layout for s in found.ranked] + [x for v in found.rejected.values() for x in v]
+    assert layouts and all(x.size("context") == 1 for x in layouts)
 
 
 def test_cluster_presets_and_errors(tmp_path):

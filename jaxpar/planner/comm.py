@@ -16,6 +16,11 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
                   (backward) on each tick of the timetable on which some device receives
   expert          4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and
                   backward) of top_k x capacity_factor x tokens x D
+  context         ring: per layer and microbatch the collective-permutes of the K and V chunks
+                  (C-1 hops forward, C-1 backward) and of their float32 gradients (C hops);
+                  all_to_all: per layer 4 all-to-alls forward (q, k, v to a head split, the
+                  output back) and 4 backward. The gradients are all-reduced over context too
+                  (every device computed a part of each sequence's loss)
 """
 from __future__ import annotations
 
@@ -43,13 +48,21 @@ def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
     return f * result_bytes  # all-gather (result = gathered), all-to-all
 
 
+def reduced_axes(plan: Plan) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) a gradient is summed over: the batch axes, and `context`,
+    whose devices each computed the loss of a part of every sequence."""
+    mesh = plan.mesh.shape
+    axes = (*plan.batch_axes, *(("context",) if mesh.get("context", 1) > 1 else ()))
+    return tuple(a for a in axes if mesh[a] > 1)
+
+
 def grad_sync_bytes(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_itemsize: int,
              compute_itemsize: int, grad_itemsize: int | None = None) -> dict[str, dict]:
     """The minimum per-device result and wire bytes per kind for `plan` (see module doc);
     gradients reduced in `grad_itemsize` bytes (train.grad_reduce_dtype; default param_itemsize)."""
     gsz = grad_itemsize or param_itemsize
     mesh = plan.mesh.shape
-    batch = tuple(a for a in plan.batch_axes if mesh[a] > 1)
+    batch = reduced_axes(plan)
     size = lambda axes: math.prod(mesh[a] for a in axes)
     out = {k: {"result_bytes": 0.0, "wire_bytes": 0.0} for k in COLLECTIVE_KINDS}
 
@@ -111,12 +124,13 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
     from jaxpar.planner.memory import itemsize
     t, m = cfg.train, cfg.model
     out: dict = {}
-    purpose = {"grad_sync": 0.0, "zero3_gather": 0.0, "tensor": 0.0, "pipeline": 0.0, "expert": 0.0}
+    purpose = {"grad_sync": 0.0, "zero3_gather": 0.0, "tensor": 0.0, "pipeline": 0.0, "expert": 0.0,
+               "context": 0.0}
     link = lambda axes: "inter" if any(layout.dcn.get(a, 1) > 1 for a in axes) else "intra"
 
     # gradient sync (and ZeRO-3's gathers): exact per param
     mesh = plan.mesh.shape
-    batch = tuple(a for a in plan.batch_axes if mesh[a] > 1)
+    batch = reduced_axes(plan)
     accum = layout.micro
     key = (tuple(mesh.items()), plan.zero_stage, accum)
     cache = {} if cache is None else cache
@@ -148,7 +162,9 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
 
     c = itemsize(t.compute_dtype)
     micro = layout.micro
-    tokens = t.global_batch / plan.batch_size_divisor / micro * t.seq_len  # per device, one microbatch
+    cp = layout.size("context")
+    # per device, one microbatch: its part of each sequence
+    tokens = t.global_batch / plan.batch_size_divisor / micro * t.seq_len / cp
     act = tokens * m.dim * c
     layers = m.n_layers / layout.size("pipeline")
     tp = layout.size("tensor")
@@ -180,4 +196,17 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
         add_op(out, "all-to-all", act * m.moe.top_k * m.moe.capacity_factor, e, 4 * micro * moe_layers,
                link(("expert",)))
         purpose["expert"] = sum(r["wire_bytes"] for r in out.values()) - before
+    if cp > 1:
+        before = sum(r["wire_bytes"] for r in out.values())
+        hd, c_link = m.resolved_head_dim, link(("context",))
+        kv = tokens * m.n_kv_heads * hd / tp  # one K (or V) chunk's elements, heads split by tensor
+        passes = 3 if layout.remat == "full" else 2  # forward, backward (+ the recomputed forward)
+        if cfg.context.strategy == "ring":
+            add_op(out, "collective-permute", 2 * kv * c, cp, micro * layers * passes * (cp - 1), c_link)
+            add_op(out, "collective-permute", 2 * kv * 4, cp, micro * layers * cp, c_link)
+        else:
+            q = tokens * m.n_heads * hd / tp
+            for x in (q, kv, kv, q):  # q, k, v to the head split; the output back
+                add_op(out, "all-to-all", x * c, cp, passes * micro * layers, c_link)
+        purpose["context"] = sum(r["wire_bytes"] for r in out.values()) - before
     return {"kinds": out, "purpose": purpose}

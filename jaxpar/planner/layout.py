@@ -9,7 +9,7 @@ import jax
 from jaxpar.config import MESH_AXES, Config, make_config
 from jaxpar.sharding import Plan
 
-SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline", "expert")
+SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "context")  # context: long sequences
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@
     logits      float32 [tokens, vocab / tensor] logits, their softmax and gradient
                 (train.loss_chunk: only a chunk's)
 
+With context parallelism (mesh.context = C) a device holds S / C tokens of each sequence: the
+per-token terms count those; the batch term whole rows (the loader does not split them).
+
 Per token and layer (compute dtype bytes c, D model dim, hd head dim, H and K query and KV
 heads, F the MLP width, t = mesh.tensor, S the sequence length; tensor-parallel parts / t):
     see KEPT: elements of each kind kept per token and layer, measured on XLA:CPU
@@ -195,9 +198,12 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
     microbatches = layout.micro
     seqs = t.global_batch / batch_div / microbatches
-    tokens = seqs * t.seq_len
+    cp = layout.size("context")
+    tokens = seqs * t.seq_len / cp  # this device's part of each sequence (parallel/context.py)
     tp = layout.size("tensor")
-    xla = attention_impl(cfg) == "xla"
+    # ring attention runs its own blockwise loop over the chunks: no [heads, keys] scores; the
+    # all_to_all strategy attends over the whole sequence with heads / context
+    xla = attention_impl(cfg) == "xla" and not (cp > 1 and cfg.context.strategy == "ring")
     sp = cfg.sharding.sequence_parallel
     layers = ms.layers / layout.size("pipeline")
     full = per_token_layer_bytes(ms, "none", c, tp, t.seq_len, xla, sp)

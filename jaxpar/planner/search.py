@@ -22,9 +22,12 @@ REMATS = ("none", "dots_saveable", "full")
 # which the timetable's lockstep model (halves of b/2) does not know
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MAX_MICROBATCHES = 512
+# mesh.context is searched from this sequence length on (or when --layout fixes it): below it the
+# activations it divides are small next to the weights, and its collectives run every layer
+CONTEXT_MIN_SEQ = 8192
 HEADROOM = 0.9  # of device memory the plan may use (allocator fragmentation, XLA's own buffers)
 # which axes cross hosts first: data parallel replicas are the cheapest to split over slow links
-DCN_ORDER = ("data", "pipeline", "fsdp", "expert", "tensor")
+DCN_ORDER = ("data", "pipeline", "fsdp", "expert", "context", "tensor")
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,8 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
     """Every valid layout of `cfg`'s model on `cluster`, best first. `fixed`: mesh sizes to keep
     (--layout); `options_fixed`: step options to keep (zero_stage, remat, grad_accum, ...)."""
     axes = ("data", "fsdp", "tensor", "pipeline") + (("expert",) if cfg.model.moe.num_experts else ())
+    if cfg.train.seq_len >= CONTEXT_MIN_SEQ or (fixed or {}).get("context", 1) > 1:
+        axes += ("context",)
     result = Result([])
     budget = cluster.memory_bytes * HEADROOM
     state_cache: dict = {}

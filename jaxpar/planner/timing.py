@@ -6,7 +6,7 @@
   comm      per collective: wire bytes / (link bandwidth x efficiency.comm) + ring steps x
             latency, on the intra- or inter-host link by the layout's dcn split; gradient sync
             hidden by efficiency.overlap, ZeRO-3 gathers by efficiency.gather_overlap; tensor,
-            pipeline and expert collectives sit on the critical path
+            pipeline, expert and context (ring / all-to-all) collectives sit on the critical path
   overhead  efficiency.layer_overhead_us per layer and microbatch (launches, loop steps)
   bubble    a pipeline's timetable (jaxpar/parallel/pipeline/schedule.py) in lockstep: its ticks
             over the stage work 3m (idle ticks, the last stage's forward folded into its
@@ -96,11 +96,12 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict) -> StepT
     eff = cluster.efficiency
     exposed = {"grad_sync": share["grad_sync"] * (1 - eff.overlap),
                "zero3_gather": max(0.0, share["zero3_gather"] - eff.gather_overlap * compute),
-               "tensor": share["tensor"], "pipeline": share["pipeline"], "expert": share["expert"]}
+               "tensor": share["tensor"], "pipeline": share["pipeline"], "expert": share["expert"],
+               "context": share.get("context", 0.0)}
     micro = layout.micro
     overhead = micro * cfg.model.n_layers / layout.size("pipeline") * eff.layer_overhead_us * 1e-6
     critical = (compute + overhead + exposed["tensor"] + exposed["pipeline"] + exposed["expert"]
-                + exposed["zero3_gather"])
+                + exposed["context"] + exposed["zero3_gather"])
     bubble = (pipeline_stretch(layout, micro) - 1.0) * critical
     step = critical + bubble + exposed["grad_sync"]
     return StepTime(compute + overhead, exposed, bubble, step, tokens / step,
