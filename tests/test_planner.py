@@ -97,6 +97,12 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
             # the runner's sends sit in per-tick conditionals: the HLO's loop count sees each on
             # every tick (tests/test_pipeline_perf.py checks them against the timetable instead)
             continue
+        if (kind == "reduce-scatter" and cfg.sharding.zero_stage == 2 and cfg.train.grad_accum > 1
+                and cfg.mesh.pipeline == 1):
+            # ZeRO-2 scatters each microbatch's layer gradients in a cond of the layer tap (before
+            # the last microbatch / the last: train/layer_grads.py), one branch per trip; the HLO's
+            # loop count sees the reduce-scatter of both branches on every trip
+            want /= 2
         rel = 0.35 if tensor else 0.25 if kind == "all-gather" and cfg.sharding.zero_stage == 3 else 0.05
         assert got == pytest.approx(want, rel=rel), (kind, got, want)
 
