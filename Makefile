@@ -24,8 +24,12 @@ ifeq ($(CONFIG),configs/quickstart.yaml)
 	@$(BIN)/jaxpar generate runs/quickstart --prompt 'def ' --max-tokens 120 --temperature 0.6
 endif
 
+# 3 workers on 2 cores: the multi-process tests wait on their children (start-up, sleeps between
+# steps, cluster daemons) for about a quarter of the run; a third worker fills that time
+TEST_WORKERS ?= 3
+
 test: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_configs import layout_run_yaml
+from tests.run_configs import CACHE_ENV, layout_run_yaml
 
 # one worker runs them all (with `-n 2 --dist loadgroup`): they share the reference run
 pytestmark = pytest.mark.xdist_group("checkpoint_resume")
@@ -34,8 +34,7 @@ def _env(tmp: Path, n_devices: int) -> dict:
         "PYTHONHASHSEED": str(next(_SEEDS)),
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}", "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax_cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        **CACHE_ENV,
     })
     return env
 

@@ -24,6 +24,7 @@ from jaxpar.config import ConfigError
 from jaxpar.launch import run_dir_of
 from jaxpar.observe.events import read_events, record
 from jaxpar.observe.goodput import CAUSES, account, goodput_of
+from tests.run_configs import CACHE_ENV
 
 pytestmark = pytest.mark.xdist_group("goodput")  # its module fixtures are built once, on one worker
 
@@ -179,8 +180,7 @@ def killed_run(tmp_path_factory):
     spec = {"argv": ["train", str(work / "gp.yaml"), f"run_dir={work / 'runs'}"],
             "kill_at": [KILL_AT], "markers": str(work), "scrape_at": STEPS}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+           **CACHE_ENV}
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nprocs", "1", "--devices-per-proc", "8",
            "--max-restarts", "1", "--run-dir", str(run), "--", "python", __file__, json.dumps(spec)]
     t0 = time.time()

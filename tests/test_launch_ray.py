@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from jaxpar.config import ConfigError, make_config
+from tests.run_configs import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
@@ -80,9 +81,7 @@ def drive(cluster, work: Path, run_dir: Path, *opts: str, on_line=None, timeout=
     spec = {"argv": ["train", str(work / "rr.yaml"), f"run_dir={run_dir}"], "sleep": SLEEP}
     env = dict(os.environ)
     env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+                **CACHE_ENV})
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--ray", cluster.address, "--nodes", "2",
            "--devices-per-node", "4", "--run-dir", str(run_dir / "rr"), "--kill-timeout", "5", *opts,
            "--", "python", __file__, json.dumps(spec)]

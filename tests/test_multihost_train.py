@@ -25,7 +25,7 @@ import pytest
 
 from jaxpar.config import make_config
 from jaxpar.train.trainer import Trainer
-from tests.run_configs import layout_run_yaml
+from tests.run_configs import CACHE_ENV, layout_run_yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multihost_train")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,9 +59,7 @@ def launch(work: Path, run_dir: Path, *opts: str, spec: dict | None = None, over
     spec = {"argv": ["train", str(work / "mh.yaml"), f"run_dir={run_dir}", *overrides], **(spec or {})}
     env = dict(os.environ)
     env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+                **CACHE_ENV})
     cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nprocs", "2", "--devices-per-proc", "4", *opts,
            "--", "python", __file__, json.dumps(spec)]
     t0 = time.monotonic()

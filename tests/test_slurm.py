@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm_cluster import missing, one_node_slurm, short_dir
-from tests.run_configs import layout_run_yaml
+from tests.run_configs import CACHE_ENV, layout_run_yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,9 +46,7 @@ def _env(work: Path) -> dict:
     """What the jaxpar processes see, under the launcher and under sbatch alike."""
     env = dict(os.environ)
     env.update({"PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+                **CACHE_ENV})
     return env
 
 
