@@ -18,7 +18,7 @@ import pytest
 
 from tests.run_configs import CACHE_ENV, layout_run_yaml
 
-# one worker runs them all (with `-n 2 --dist loadgroup`): they share the reference run
+# one worker runs them all (with `--dist loadgroup`, as `make test` runs): they share the reference run
 pytestmark = pytest.mark.xdist_group("checkpoint_resume")
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10

@@ -37,7 +37,7 @@ checkpoint: {{every: 2, keep_last: 3}}
 MB = 2 ** 20
 NODE = dict(num_cpus=1, resources={"jaxpar_node": 1}, object_store_memory=80 * MB)
 SLEEP = {"2": 0.3, "1": 1.5}  # seconds per step by process count
-# the tests on the cluster share one xdist worker, so one cluster (`make test`: -n 2 --dist loadgroup)
+# the tests on the cluster share one xdist worker, so one cluster (`make test`: --dist loadgroup)
 on_cluster = pytest.mark.xdist_group("launch_ray")
 
 
