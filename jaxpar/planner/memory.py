@@ -173,8 +173,9 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
         no_fsdp = shard_elems(plan, axes, shape, "act", skip=("fsdp",))
         grad_full += no_fsdp * 4
         if axes[:1] == ("layers",):  # one layer of this device's stage
-            stacked_full += no_fsdp / (shape[0] / layout.size("pipeline")) * c
-            grad_layer += no_fsdp / (shape[0] / layout.size("pipeline")) * 4
+            one_layer = no_fsdp / (shape[0] / layout.size("pipeline"))
+            stacked_full += one_layer * c
+            grad_layer += one_layer * 4
         else:
             top_full += no_fsdp * c
             grad_top += no_fsdp * 4

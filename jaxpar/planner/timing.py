@@ -97,7 +97,7 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict) -> StepT
     exposed = {"grad_sync": share["grad_sync"] * (1 - eff.overlap),
                "zero3_gather": max(0.0, share["zero3_gather"] - eff.gather_overlap * compute),
                "tensor": share["tensor"], "pipeline": share["pipeline"], "expert": share["expert"],
-               "context": share.get("context", 0.0)}
+               "context": share["context"]}
     micro = layout.micro
     overhead = micro * cfg.model.n_layers / layout.size("pipeline") * eff.layer_overhead_us * 1e-6
     critical = (compute + overhead + exposed["tensor"] + exposed["pipeline"] + exposed["expert"]

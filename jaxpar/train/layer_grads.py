@@ -138,8 +138,8 @@ class LayerGrads:
 
     def sinks(self, accumulating: bool) -> dict:
         """Per path (mid sink, last sink): zeros to differentiate; no mid sink for one microbatch."""
-        make = lambda kinds, p: vary(jnp.zeros(kinds[p][0], kinds[p][1]), kinds[p][2])
-        return {p: (make(self.mid, p) if accumulating else None, make(self.last, p)) for p in self.paths}
+        return {p: (_zeros_like(self.mid[p]) if accumulating else None, _zeros_like(self.last[p]))
+                for p in self.paths}
 
     def taps(self, sinks: dict, acc: dict | None, is_last) -> Taps | None:
         if not self.active:
@@ -158,9 +158,8 @@ class LayerGrads:
 
     def zeros_acc(self) -> dict:
         """The loop carry's sum of the mid sinks (the scattered gradients before the last)."""
-        return {p: vary(jnp.zeros(shape, self.accum_dtype), self.varying)
-                for p, (shape, _, _) in self.mid.items()}
+        return {p: _zeros_like(aval) for p, aval in self.mid.items()}
 
     def zeros_done(self) -> dict:
         """The loop carry that receives the last sinks' reduced gradients (zeros until then)."""
-        return {p: vary(jnp.zeros(shape, dtype), axes) for p, (shape, dtype, axes) in self.last.items()}
+        return {p: _zeros_like(aval) for p, aval in self.last.items()}
