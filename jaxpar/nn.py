@@ -50,9 +50,11 @@ class Context:
     # uses it to cut a model into embedding / layer stages / head (see jaxpar/parallel/pipeline).
     layers_hook: Callable[[nnx.Module, Any, Callable], Any] | None = None
     # Per-layer arrays scanned beside the stack's params: an object with `xs` (a pytree whose
-    # leaves have the leading layers dim) and `apply(layer_params, xs_slice) -> layer_params`,
-    # run on each layer's ready params. The train step taps each layer's params here so that
-    # their gradient is reduced inside the backward scan (jaxpar/train/layer_grads.py).
+    # leaves have the leading layers dim) and `apply(layer_state, xs_slice) -> layer_state`,
+    # run on each layer's params as the scan slices them, before `layer_params` (so what a
+    # tap's backward sees is the gradient of the slice: after the transpose of a gather). The
+    # train step taps each layer's params here so that their gradient is reduced inside the
+    # backward scan (jaxpar/train/layer_grads.py).
     layer_taps: Any = None
 
 
@@ -182,10 +184,9 @@ def scan_stack(stack: nnx.Module, carry: Any, fn: Callable[[nnx.Module, Any], An
 
     def body(c, xs):
         layer_state, tap_xs = xs
-        ready = ctx.layer_params(layer_state)
-        if taps is not None:
-            ready = taps.apply(ready, tap_xs)
-        return fn(nnx.merge(graphdef, ready), c), None
+        if taps is not None:  # on the params as they arrive, before layer_params (a gather)
+            layer_state = taps.apply(layer_state, tap_xs)
+        return fn(nnx.merge(graphdef, ctx.layer_params(layer_state)), c), None
 
     if ctx.remat != "none" or ctx.never_save:
         body = jax.checkpoint(body, policy=remat_policy(ctx.remat, ctx.never_save), prevent_cse=False)

@@ -7,11 +7,11 @@ decides how they are reduced:
               a reduce-scatter to the optimizer's shard);
   - ZeRO-2:   reduce-scatter each microbatch's gradients over `fsdp` (so the accumulator is
               sharded), then all-reduce the shards over the remaining batch axes;
-  (for the stacked layer params both run inside the backward layer scan, layer by layer: see
-  AllReduce and jaxpar/train/layer_grads.py)
   - ZeRO-3:   parameters arrive sharded over `fsdp`; each layer's weights are all-gathered just
               before use (again in the backward, under remat), and the transpose of that
-              all-gather is the reduce-scatter of their gradients.
+              all-gather is the reduce-scatter of their gradients, all-reduced over the rest;
+  (for the stacked layer params the reductions run inside the backward layer scan, layer by
+  layer: see AllReduce and jaxpar/train/layer_grads.py)
 Plain GSPMD would all-reduce and then slice; here the bytes on the wire match the ZeRO paper.
 `AllReduce` is this module's gradient sync (jaxpar/parallel/sync.py).
 """
@@ -174,14 +174,15 @@ class AllReduce(GradientSync):
     at ZeRO-2; the accumulated gradients reduce-scattered to the optimizer's shard at ZeRO-1 (no
     more bytes than DP, half an all-reduce's), all-reduced over the batch axes left.
 
-    At ZeRO-0/1/2 without a pipeline the stacked layer params (`layered`: their key paths) are
-    reduced that way inside the backward layer scan, one layer at a time, as soon as the
-    backward of the layer has produced its gradient (`in_scan`; jaxpar/train/layer_grads.py), so
-    the collectives of layer i overlap the backward of layer i-1. The embeddings, final norm and
-    head are reduced after the scan. ZeRO-3's layer gradients are reduce-scattered in the scan by
-    the transpose of their gathers (gather_in) and all-reduced over the axes left here. A
-    pipeline (parallel/pipeline) reduces after its timetable: its stages run their layers in
-    per-tick branches, where a per-layer collective would run on some devices only."""
+    Without a pipeline the stacked layer params (`layered`: their key paths) are reduced that
+    way inside the backward layer scan, one layer at a time, as soon as the backward of the
+    layer has produced its gradient (`in_scan`; jaxpar/train/layer_grads.py), so the collectives
+    of layer i overlap the backward of layer i-1. At ZeRO-3 the transpose of a layer's gather
+    (gather_in) has reduce-scattered its gradient over fsdp already: scatter_layer leaves it and
+    finish_layer all-reduces it over the axes left (data). The embeddings, final norm and head
+    are reduced after the scan. A pipeline (parallel/pipeline) reduces after its timetable: its
+    stages run their layers in per-tick branches, where a per-layer collective would run on some
+    devices only."""
 
     name = "psum"
 
@@ -189,8 +190,7 @@ class AllReduce(GradientSync):
                  layered: frozenset[tuple] = frozenset()):
         super().__init__(plan, grad_specs, opt_specs if plan.zero_stage == 1 else grad_specs, wire_dtype)
         self._grad_out, self._final_out = flat_paths(self.grad_out), flat_paths(self.final_out)
-        staged = plan.mesh.shape.get("pipeline", 1) > 1
-        if plan.zero_stage < 3 and not staged:
+        if plan.mesh.shape.get("pipeline", 1) == 1:
             # the layers dim must be whole on each device for a layer's slice to be reduced alone
             whole = lambda spec: not sharded_dims(P(*spec[:1]), self.manual)
             self.in_scan = frozenset(p for p in layered

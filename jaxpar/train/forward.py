@@ -73,24 +73,26 @@ class _Stop(Exception):
 
 
 def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> Callable:
-    """forward(params, rows) -> (logits, sown) for ZeRO-3. What the model runs before its
+    """forward(params, rows, taps=None) -> (logits, sown) for ZeRO-3. What the model runs before its
     scan_layers call (the embedding) and after it (final norm, head) each run under a checkpoint
     that saves everything but the gathered weights (ctx.never_save), so the backward gathers them
     again; the layer scan runs between the two, outside any checkpoint, so that its per-layer
     policy (train.remat, which never saves the gathers either) is the one that acts. A checkpoint
     around the whole forward would not do: JAX partial-evaluates a checkpoint nested in another
     with the outer one's policy, which silently replaced every train.remat by "save all but the
-    gathers". A model that never calls scan_layers runs whole under the checkpoint."""
+    gathers". A model that never calls scan_layers runs whole under the checkpoint. The layer
+    `taps` (train/layer_grads.py) act in the layer scan, on each layer's shards before their gather."""
     policy = nn.remat_policy("none", ctx.never_save)
     weights: dict = {}  # sown name -> loss weight (static, so kept out of the checkpoints)
     fired: list = []
 
-    def call(params, rows, hook, prep: bool):
+    def call(params, rows, hook, prep: bool, taps=None):
         state = model.state(params)
         if prep:
             state = prepare_top(state)
         try:
-            with nn.use_context(dataclasses.replace(ctx, layers_hook=hook)), nn.collect_aux() as sown:
+            here = dataclasses.replace(ctx, layers_hook=hook, layer_taps=taps)
+            with nn.use_context(here), nn.collect_aux() as sown:
                 out = rows.apply(model.merge(state))
         except _Stop as stop:
             out = stop.value
@@ -104,22 +106,20 @@ def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> 
     def pre(params, rows):
         return call(params, rows, stop, True)
 
-    def layers(params, x, rows):
+    def layers(params, x, rows, taps):
         def scan(stack, carry, fn):
             raise _Stop(nn.scan_stack(stack, x, fn))
-        return call(params, rows, scan, False)[0]
+        return call(params, rows, scan, False, taps)[0]
 
     def post(params, y, rows):
         return call(params, rows, lambda stack, carry, fn: y, True)
 
     def forward(params, rows, taps=None):
-        if taps is not None:  # ZeRO-3 reduces in the scan through its gathers' transpose
-            raise ValueError("ZeRO-3's forward takes no layer taps")
         fired.clear()
         x, sown_pre = jax.checkpoint(pre, policy=policy)(params, rows)
         if not fired:  # no layer scan: `pre` ran the whole model
             return x, {k: (v, weights[k]) for k, v in sown_pre.items()}
-        y = layers(params, x, rows)
+        y = layers(params, x, rows, taps)
         logits, sown_post = jax.checkpoint(post, policy=policy)(params, y, rows)
         # `post` runs the prologue again (dead code but for the gathers the head shares): what
         # the prologue sowed is taken from `pre`

@@ -18,13 +18,15 @@ def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = No
     alone (local_sgd.sync_every > 1), 1-bit Adam's momentum exchange when it is the optimizer, a
     compressed reduction when gradient_compression.method is not none, else the plain psum, which
     reduces the layer stacks inside the backward layer scan (train/layer_grads.py). With
-    accumulation (`accumulating`) only the stacks a microbatch scatters (ZeRO-2: each microbatch's
-    gradient reduce-scattered over fsdp) do: the others (ZeRO-0/1) would hold the finished
-    reduction beside the float32 sum of the local gradients through the microbatch loop (two
-    check_vma types: summed per device vs reduced), and the backward's two outputs per layer
-    (the sum's part and the reduction's) beside them: with two microbatches ZeRO-0 grew from
-    21.5 to 28.6 MB of temp memory (tests/test_planner.py's model, data 8), ZeRO-1 from 21.5 to
-    23.1 MB, while ZeRO-2 fell from 18.7 to 16.8 MB. They reduce once per step after the loop."""
+    accumulation (`accumulating`) only the stacks the sync itself scatters each microbatch (ZeRO-2:
+    gradient sharded over fsdp, param whole) do: the others would hold the finished reduction
+    beside the float32 sum of the local gradients through the microbatch loop (two check_vma
+    types: summed per device vs reduced), and the backward's two outputs per layer (the sum's part
+    and the reduction's) beside them. Measured with two microbatches (tests/test_planner.py's
+    model): ZeRO-0 (data 8) grew from 21.5 to 28.6 MB of temp memory, ZeRO-1 from 21.5 to 23.1
+    MB, ZeRO-3 (data 2 x fsdp 4, whose gathers' transpose reduce-scatters each microbatch in the
+    loop either way) from 16.9 to 18.6 MB (remat full: 6.3 to 8.1 MB), while ZeRO-2 fell from
+    18.7 to 16.8 MB. They reduce once per step after the loop (ZeRO-3: over data)."""
     if local_sgd is not None and local_sgd.sync_every > 1:
         return LocalSGD(local_sgd, plan, specs["param"], specs["grad"], compression, optimizer, wire_dtype)
     if optimizer is not None and getattr(optimizer, "name", "adamw") == "onebit_adam":

@@ -7,7 +7,9 @@ reduced gradient's (stacked) shape, scanned beside the params (nn.Context.layer_
 gradient of the step's loss "with respect to the sinks" is then the reduced layer gradient,
 built one layer at a time inside the backward loop, where XLA can overlap each layer's
 collective with the next layer's backward; the full local gradient of the stack never exists
-unless accumulation keeps it.
+unless accumulation keeps it. The tap sits on the slice as the scan hands it over, before any
+per-layer gather (nn.Context.layer_params): at ZeRO-3 its cotangent is the gather's transpose,
+the layer's gradient reduce-scattered over fsdp, which the sync then all-reduces over `data`.
 
 With several microbatches every microbatch runs inside the microbatch loop, with two sinks per
 stack: the *mid* sink takes the sync's per-microbatch part (`scatter_layer`: ZeRO-2's
