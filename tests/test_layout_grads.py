@@ -25,6 +25,8 @@ LAYOUTS = {  # name: (reference, overrides)
     "dp2-fsdp4-zero1-accum2": (DENSE, ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=1",
                                        "train.grad_accum=2"]),
     "fsdp8-zero3": (DENSE, ["mesh.fsdp=8", "sharding.zero_stage=3"]),
+    # ZeRO-3: each layer's gradient reduce-scattered by its gather's transpose and all-reduced over
+    # `data` in the backward layer scan; with accumulation, over `data` after the microbatch loop
     "dp2-fsdp2-tp2-zero3": (DENSE, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=3"]),
     # in-scan with accumulation: each microbatch's layer gradients reduce-scattered in its backward,
     # the last one's (a cond in the tap) adding the others' sum and reducing over `data`
