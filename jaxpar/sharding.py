@@ -126,11 +126,15 @@ class Plan:
         `layer_rounds` v > 1 over p devices the stack is cut into p*v chunks and device d's block
         holds chunks d, p + d, ..., (v-1)p + d: the order interleaved_1f1b runs them (its virtual
         stage k*p + d is device d's k-th), so the train step moves no weights and no gradients
-        between devices. The permutation lives here, in the layout, not in the model (which
-        names only logical axes) nor in the step (which never asks for the schedule): the
-        Trainer stores the state so (init, restore) and writes checkpoints in canonical order
-        (`reorder_layers`, a cost paid only at those times), the eval step reads the params
-        through it."""
+        between devices. Why the stored values are permuted: a NamedSharding cuts a dim into
+        contiguous blocks, so no sharding of the canonical [layers, ...] array puts these chunks
+        on one device, and reshaping it to [v, p, ...] would change the model's shapes and the
+        checkpoint format. The permutation lives here, in the layout: the model names only
+        logical axes, the step never asks for the schedule (the runner reads its v chunks off
+        the local block). What sees the params outside the step goes through reorder_layers:
+        init (the one-device params, reordered), checkpoint save and restore (canonical on disk,
+        so any layout, `jaxpar generate` and the HF export read them; the cost is paid at
+        checkpoint time only: train/trainer.Trainer.in_order) and the eval step."""
         p = self.mesh.shape[self.layer_axis] if self.interleaves_layers else 1
         v = self.layer_rounds if p > 1 else 1
         if n_layers % (p * v):

@@ -115,7 +115,7 @@ def test_interleaved_step_moves_no_weights(devices):
     layers in the order the schedule runs them, so the compiled step's only collective-permutes
     are the timetable's activation sends (one per send pattern, activation-shaped), and a layer
     weight or gradient is in no collective but the gradient's all-reduce over `data`. (Permuting
-    the contiguous stack per step, as before, added 16 weight and 16 gradient permutes:
+    the contiguous stack every step, as before, added 72 permutes of layer-shaped arrays:
     docs/benchmarks.md.)"""
     import re
 

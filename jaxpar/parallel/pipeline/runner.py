@@ -3,8 +3,8 @@
 Runs inside the step's shard_map, manual over `pipeline` (and the batch axes); `tensor` and
 co. stay with the compiler. Each device holds its stages' slice of the stacked layers (the plan
 shards `layers` over `pipeline`; with interleaved_1f1b it stores device d's chunks k*p + d in its
-block, in the order they run: sharding.Plan.layer_order) and the whole (data-parallel-local) batch; the top params
-(embedding, final norm, head) are replicated over `pipeline`.
+block, in the order they run: sharding.Plan.layer_order) and the whole (data-parallel-local)
+batch; the top params (embedding, final norm, head) are replicated over `pipeline`.
 
 One `lax.scan` over the ticks; each tick
   1. looks up its row of the timetable with axis_index('pipeline'),
