@@ -104,16 +104,18 @@ class Plan:
 
     # ---- the stored order of the layer stacks
 
+    def __post_init__(self) -> None:
+        split = [a for a in self.rules.get("layers", ()) if self.mesh.shape.get(a, 1) > 1]
+        if len(split) > 1 and self.layer_rounds > 1:
+            raise ConfigError(
+                f"sharding.rules.layers={list(self.rules['layers'])} splits the layer stack over "
+                f"{len(split)} mesh axes; pipeline.virtual_stages={self.layer_rounds} stores it "
+                f"round-robin over one: map `layers` to one mesh axis (pipeline)")
+
     @property
     def layer_axis(self) -> str | None:
         """The mesh axis (of size > 1) the `layers` dim is split over, or None."""
-        axes = [a for a in self.rules.get("layers", ()) if self.mesh.shape.get(a, 1) > 1]
-        if len(axes) > 1 and self.layer_rounds > 1:
-            raise ConfigError(
-                f"sharding.rules.layers={list(self.rules['layers'])} splits the layer stack over "
-                f"{len(axes)} mesh axes; pipeline.virtual_stages={self.layer_rounds} stores it "
-                f"round-robin over one: map `layers` to one mesh axis (pipeline)")
-        return axes[0] if axes else None
+        return next((a for a in self.rules.get("layers", ()) if self.mesh.shape.get(a, 1) > 1), None)
 
     @property
     def interleaves_layers(self) -> bool:
