@@ -5,15 +5,18 @@ The same parameter gets a different spec depending on what it is used for:
   - params:     `fsdp` kept only at ZeRO-3,
   - opt state:  `fsdp` kept from ZeRO-1,
   - gradients:  `fsdp` kept from ZeRO-2 (reduce-scattered, not all-reduced).
-The plan is data you can print (`Plan.table`).
+The plan is data you can print (`Plan.table`). It also says in which order the `layers` dim is
+stored (`layer_rounds`, see `Plan.layer_order`): the pipeline's interleaved schedule wants each
+device's layers in the order it runs them.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -32,6 +35,9 @@ class Plan:
     zero_stage: int = 1
     replicated_tolerance: float = 0.05
     manual: frozenset[str] = field(default_factory=frozenset)
+    #: how the `layers` dim is stored over its mesh axis: 1, contiguous blocks (the model's
+    #: order); v > 1, v chunks per device round-robin (pipeline.virtual_stages, see layer_order)
+    layer_rounds: int = 1
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -95,6 +101,80 @@ class Plan:
     def manual_part(self, spec: P, manual: tuple[str, ...]) -> P:
         """Keep only the manual axes of a spec (shard_map in/out specs)."""
         return select_axes(spec, lambda a: a in manual)
+
+    # ---- the stored order of the layer stacks
+
+    def __post_init__(self) -> None:
+        split = [a for a in self.rules.get("layers", ()) if self.mesh.shape.get(a, 1) > 1]
+        if len(split) > 1 and self.layer_rounds > 1:
+            raise ConfigError(
+                f"sharding.rules.layers={list(self.rules['layers'])} splits the layer stack over "
+                f"{len(split)} mesh axes; pipeline.virtual_stages={self.layer_rounds} stores it "
+                f"round-robin over one: map `layers` to one mesh axis (pipeline)")
+
+    @property
+    def layer_axis(self) -> str | None:
+        """The mesh axis (of size > 1) the `layers` dim is split over, or None."""
+        return next((a for a in self.rules.get("layers", ()) if self.mesh.shape.get(a, 1) > 1), None)
+
+    @property
+    def interleaves_layers(self) -> bool:
+        return self.layer_rounds > 1 and self.layer_axis is not None
+
+    def layer_order(self, n_layers: int) -> np.ndarray:
+        """Position i of a stored `layers` dim holds the model's layer order[i].
+
+        Canonical (the model's) order is what one device, a checkpoint, an HF export hold. With
+        `layer_rounds` v > 1 over p devices the stack is cut into p*v chunks and device d's block
+        holds chunks d, p + d, ..., (v-1)p + d: the order interleaved_1f1b runs them (its virtual
+        stage k*p + d is device d's k-th), so the train step moves no weights and no gradients
+        between devices. Why the stored values are permuted: a NamedSharding cuts a dim into
+        contiguous blocks, so no sharding of the canonical [layers, ...] array puts these chunks
+        on one device, and reshaping it to [v, p, ...] would change the model's shapes and the
+        checkpoint format. The permutation lives here, in the layout: the model names only
+        logical axes, the step never asks for the schedule (the runner reads its v chunks off
+        the local block). What sees the params outside the step goes through reorder_layers:
+        init (the one-device params, reordered), checkpoint save and restore (canonical on disk,
+        so any layout, `jaxpar generate` and the HF export read them; the cost is paid at
+        checkpoint time only: train/trainer.Trainer.in_order) and the eval step."""
+        p = self.mesh.shape[self.layer_axis] if self.interleaves_layers else 1
+        v = self.layer_rounds if p > 1 else 1
+        if n_layers % (p * v):
+            raise ConfigError(f"{n_layers} layers do not split into mesh.{self.layer_axis}={p} x "
+                              f"pipeline.virtual_stages={v} chunks")
+        return np.arange(n_layers).reshape(v, p, n_layers // (p * v)).transpose(1, 0, 2).reshape(-1)
+
+    def reorder_layers(self, tree: Any, axes: Any, to: Literal["stored", "canonical"]) -> Any:
+        """`tree` (params-shaped: params, gradients, an optimizer moment) with every leaf whose
+        logical `axes` start with `layers` taken from canonical to stored order or back (see
+        layer_order). Each device's chunks move once, by ppermute over the layer axis (a gather
+        would all-gather the whole stack); the other dims keep their sharding. Runs under jit
+        or eagerly; an identity without interleaving."""
+        if to not in ("stored", "canonical"):
+            raise ValueError(f"reorder_layers: to={to!r}; valid: stored, canonical")
+        if not self.interleaves_layers:
+            return tree
+        axis, p, v = self.layer_axis, self.mesh.shape[self.layer_axis], self.layer_rounds
+        moves: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (from slot, to slot): device pairs
+        for d in range(p):
+            for j in range(v):  # chunk c: canonical on device d, slot j; stored on c % p, slot c // p
+                c = d * v + j
+                if to == "stored":
+                    moves.setdefault((j, c // p), []).append((d, c % p))
+                else:
+                    moves.setdefault((c // p, j), []).append((c % p, d))
+
+        def local(a):
+            a = a.reshape(v, a.shape[0] // v, *a.shape[1:])
+            out = [None] * v
+            for (i, o), pairs in moves.items():
+                moved = jax.lax.ppermute(a[i], axis, pairs)
+                out[o] = moved if out[o] is None else out[o] + moved
+            return jnp.stack(out).reshape(-1, *a.shape[2:])
+
+        move = jax.shard_map(local, mesh=self.mesh, in_specs=P(axis), out_specs=P(axis),
+                             axis_names={axis})
+        return jax.tree.map(lambda x, ax: move(x) if ax[:1] == ("layers",) else x, tree, axes)
 
 
 def entry_axes(entry) -> tuple[str, ...]:

@@ -46,8 +46,18 @@ def run_steps(cfg, steps: int, devices=None, batches=None) -> list[dict]:
     for i in range(steps):
         tokens = trainer.loader.batch(i) if batches is None else place_batch(trainer, batches[i])
         state, metrics = step(state, tokens)
-        out.append(to_numpy(metrics))
+        out.append(canonical_grads(trainer, to_numpy(metrics)))
     return out
+
+
+def canonical_grads(trainer: Trainer, metrics: dict) -> dict:
+    """`metrics` with its grads' layer stacks in the model's order (the step's follow the plan's
+    stored order, interleaved under interleaved_1f1b: sharding.Plan.layer_order), on the host."""
+    if "grads" not in metrics or not trainer.plan.interleaves_layers:
+        return metrics
+    def canonical(g, axes):
+        return g[np.argsort(trainer.plan.layer_order(g.shape[0]))] if axes[:1] == ("layers",) else g
+    return {**metrics, "grads": jax.tree.map(canonical, metrics["grads"], trainer.model.axes)}
 
 
 def global_norm(tree) -> float:

@@ -319,6 +319,48 @@ def test_resume_on_fewer_devices_restarts_compression_residuals(tmp_path, device
     assert [h["step"] for h in hist] == [3] and np.isfinite(hist[0]["loss"])
 
 
+def test_interleaved_run_saves_canonical_layer_order_and_resumes_bit_exact(tmp_path, devices):
+    """interleaved_1f1b stores each device's layers in the order it runs them (sharding.Plan.
+    layer_order; here [0, 2, 1, 3]). Its init is the one-device init reordered; its checkpoints
+    hold the model's order, so a plain data-parallel layout restores its params and optimizer
+    moments with each layer where the model has it; and its own layout resumes bit for bit."""
+    import optax
+
+    from jaxpar.train.trainer import Trainer
+    model = ["model.n_layers=4", "sharding.replicated_tolerance=1.0"]
+    tr = Trainer(tiny_config(*model, "mesh.data=1", "mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b",
+                             "pipeline.virtual_stages=2", "train.grad_accum=2", "train.steps=2",
+                             "checkpoint.every=1"), devices=devices[:2], log=lambda s: None)
+    plain = Trainer(tiny_config(*model, "mesh.data=2"), devices=devices[:2], log=lambda s: None)
+    order = tr.plan.layer_order(4)
+    assert order.tolist() == [0, 2, 1, 3]
+    host = lambda tree: jax.tree.map(np.asarray, jax.device_get(tree))
+    canonical = lambda x, axes: x[np.argsort(order)] if axes[:1] == ("layers",) else x
+    canonical_params = lambda p: jax.tree.map(canonical, host(p), tr.model.axes)
+    # init: the one-device params (the plain layout's random init does not depend on the layout)
+    for a, b in zip(jax.tree.leaves(canonical_params(tr.init_state()["params"])),
+                    jax.tree.leaves(host(plain.init_state()["params"]))):
+        np.testing.assert_array_equal(a, b)
+    s2, hist = tr.fit(out_dir=tmp_path, progress=False)
+    s2 = host({"params": s2["params"], "opt_state": s2["opt_state"]})
+    # resume from step 1 on the same layout: bit for bit
+    s1, _, _ = tr.restore_step(tr.checkpointer, 1)
+    again, hist_again = tr.fit(s1, 1, progress=False)
+    assert hist_again[-1]["loss"] == hist[-1]["loss"]
+    for a, b in zip(jax.tree.leaves(host({"params": again["params"], "opt_state": again["opt_state"]})),
+                    jax.tree.leaves(s2)):
+        np.testing.assert_array_equal(a, b)
+    # step 2 onto a plain layout: the model's layer order, in the params and the Adam moments
+    src = ck.Checkpointer(tmp_path / "checkpoints", async_save=False, read_only=True)
+    restored, _, step = plain.restore_step(src, 2)
+    src.close()
+    want = {"params": canonical_params(s2["params"]),
+            "opt_state": optax.tree_map_params(tr.tx, canonical, s2["opt_state"], tr.model.axes)}
+    assert step == 2
+    for a, b in zip(jax.tree.leaves(host({k: restored[k] for k in want})), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_processes_fall_back_together_and_a_bug_is_not_damage(tmp_path, devices, monkeypatch):
     """A second process (simulated in the gather) cannot read step 2: this process, which can,
     falls back to step 1 with it, the warning naming process 1 and its file. A programming error

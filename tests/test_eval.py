@@ -65,20 +65,24 @@ def test_eval_loss_same_on_one_device_and_2x2x2(tmp_path, devices):
 
 @pytest.mark.parametrize("layout", [("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"),
                                     ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
-                                     "sharding.replicated_tolerance=1.0"),
+                                     "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+                                     "model.n_layers=4", "sharding.replicated_tolerance=1.0"),
                                     ("mesh.data=2", "mesh.context=4")],
-                         ids=["moe-expert", "pipeline", "context-ring"])
+                         ids=["moe-expert", "pipeline-interleaved", "context-ring"])
 def test_eval_loss_other_layouts(tmp_path, devices, layout):
-    """Expert parallel (the all_to_all dispatch), a pipeline mesh (its axis left to the compiler)
-    and context parallelism (each device evaluates its part of each sequence: the ring's K/V
+    """Expert parallel (the all_to_all dispatch), a pipeline mesh (its axis left to the compiler;
+    interleaved: the layers stored out of the model's order, sharding.Plan.layer_order, which the
+    eval step reads them back in) and context parallelism (each device evaluates its part of each sequence: the ring's K/V
     ppermutes are in the compiled eval step)."""
     corpus = tmp_path / "corpus"
     make_corpus(corpus)
     common = ("data.eval_fraction=0.3", "eval.every=1", "eval.batches=1")
     if layout[1] == "mesh.expert=2":
         common += ("model.preset=moe_tiny",)
-    one = Trainer(text_cfg(corpus, *common, "mesh.data=1"), devices=devices[:1], log=QUIET)
+    model = tuple(o for o in layout if o.startswith("model."))
+    one = Trainer(text_cfg(corpus, *common, *model, "mesh.data=1"), devices=devices[:1], log=QUIET)
     many = Trainer(text_cfg(corpus, *common, *layout), devices=devices, log=QUIET)
+    assert many.plan.interleaves_layers == ("pipeline.virtual_stages=2" in layout)
     got1 = one.evaluator(one.init_state()["params"])["eval_loss"]
     state = many.init_state()
     got8 = many.evaluator(state["params"])["eval_loss"]

@@ -80,6 +80,9 @@ def test_trainer_loss_curve_matches(devices):
       "mesh.tensor=2"], "sequence_parallel does not compose"),
     (["model.n_layers=4", "mesh.pipeline=2", "pipeline.microbatches=32"],
      "divisible by the batch-parallel size"),
+    (["model.n_layers=8", "mesh.fsdp=2", "mesh.pipeline=4", "train.grad_accum=4",
+      "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+      "sharding.rules={layers: [pipeline, fsdp]}"], r"sharding.rules.layers=\['pipeline', 'fsdp'\]"),
 ])
 def test_config_errors(overrides, match, devices):
     from jaxpar.train.trainer import Trainer

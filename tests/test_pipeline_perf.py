@@ -110,6 +110,47 @@ def test_ppermutes_send_only_real_values(devices):
     assert len(fwd) == len(bwd) == 5
 
 
+def test_interleaved_step_moves_no_weights(devices):
+    """interleaved_1f1b (data 2 x pipeline 4, v = 2, 8 layers): the plan stores each device's
+    layers in the order the schedule runs them, so the compiled step's only collective-permutes
+    are the timetable's activation sends (one per send pattern, activation-shaped), and a layer
+    weight or gradient is in no collective but the gradient's all-reduce over `data`. (Permuting
+    the contiguous stack every step, as before, added 72 permutes of layer-shaped arrays:
+    docs/benchmarks.md.)"""
+    import re
+
+    from jaxpar.metrics.hlo import collective_ops
+    from jaxpar.parallel.pipeline import stacked_paths
+    from jaxpar.parallel.pipeline.runner import flatten, send_patterns
+    from jaxpar.train.trainer import Trainer
+    from tests.conftest import tiny_config
+    from tests.pipeline_util import PIPELINE_TINY
+    p, v, m = 4, 2, 4
+    trainer = Trainer(tiny_config(*PIPELINE_TINY, "model.n_layers=8", "mesh.data=2", f"mesh.pipeline={p}",
+                                  "pipeline.schedule=interleaved_1f1b", f"pipeline.virtual_stages={v}",
+                                  f"train.grad_accum={m}"), devices=devices, log=lambda s: None)
+    ops = collective_ops(trainer.compile().as_text())
+    shapes = flatten(trainer.model.shapes)
+    layer_shapes = {(s.shape[0] // p, *s.shape[1:]) for k, s in shapes.items() if k in stacked_paths(trainer.model)}
+    rows = 16 // 2 // m  # a microbatch's rows on one data-parallel device
+    activation = (rows, 32, 128)
+    stage = lambda i: np.unravel_index(i, trainer.mesh.devices.shape)[trainer.mesh.axis_names.index("pipeline")]
+    permutes = set()
+    for op in ops:
+        assert op.kind in ("all-reduce", "collective-permute"), op
+        if op.kind == "collective-permute":
+            assert op.shape == activation, op
+            pairs = re.findall(r"\{(\d+),(\d+)\}", op.replica_groups)
+            permutes.add(tuple(sorted({(int(stage(int(a))), int(stage(int(b)))) for a, b in pairs})))
+        elif op.shape in layer_shapes:  # the layer gradients' data-parallel reduction
+            assert op.replica_groups.endswith("{'data'}"), op
+    tt = build_timetable("interleaved_1f1b", p, m, v)
+    fwd, _ = send_patterns(tt.recv_x, [(d, (d + 1) % p) for d in range(p)])
+    bwd, _ = send_patterns(tt.recv_g, [((d + 1) % p, d) for d in range(p)])
+    assert permutes == {tuple(sorted(x)) for x in fwd + bwd}
+    assert any(op.shape in layer_shapes for op in ops)  # the check above saw the layer gradients
+
+
 def test_stash_references_params_not_copies():
     """A stage's vjp splits into what a tick stashes and references to the params the backward
     has anyway (no copy of the weights per microbatch in flight); joined again in another trace,

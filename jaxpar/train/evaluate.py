@@ -58,7 +58,8 @@ def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, 
                             out_specs=(P(), P()), axis_names=set(manual), check_vma=True)
 
     def evaluate(params, tokens):
-        return sharded(params, as_batch(tokens))
+        # the forward runs the layers in the model's order (interleaved storage: Plan.layer_order)
+        return sharded(plan.reorder_layers(params, model.axes, "canonical"), as_batch(tokens))
 
     param_shardings = jax.tree.map(plan.sharding, param_specs, is_leaf=is_spec)
     return jax.jit(evaluate, in_shardings=(param_shardings, batch_sharding))

@@ -65,15 +65,26 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
     return StepSpec(specs["param"], specs["grad"], shardings, plan.sharding(plan.batch_spec()), sync)
 
 
-def make_init(model: ModelDef, tx, spec: StepSpec, param_dtype) -> Callable[[int], dict]:
-    """init(seed) -> train state, placed by the plan (each device builds only its shards)."""
+def make_init(model: ModelDef, plan: Plan, tx, spec: StepSpec, param_dtype) -> Callable[[int], dict]:
+    """init(seed) -> train state, placed by the plan (each device builds only its shards), its
+    layer stacks in the plan's stored order (the one-device params, reordered: Plan.layer_order)."""
     def init(seed, params=None):  # params: given float32 weights (train.init_from) instead of random
         params = model.init(seed) if params is None else params
+        params = plan.reorder_layers(params, model.axes, "stored")
         opt_state = tx.init(params)  # from the float32 init: master weights are exact
         params = jax.tree.map(lambda x: x.astype(param_dtype), params)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
         return spec.sync.init_state(state, tx)
     return jax.jit(init, static_argnums=0, out_shardings=spec.state_shardings)
+
+
+def reorder_state(state: dict, model: ModelDef, plan: Plan, tx, to: str) -> dict:
+    """`state` with the layer stacks of its params and of every params-shaped tree of its
+    optimizer state (moments, master weights) in `to` order, "stored" or "canonical"
+    (Plan.reorder_layers): checkpoints hold the canonical order, the step the stored one."""
+    move = lambda x, axes: plan.reorder_layers(x, axes, to)
+    return {**state, "params": move(state["params"], model.axes),
+            "opt_state": optax.tree_map_params(tx, move, state["opt_state"], model.axes)}
 
 
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int, pipeline: Any = None,

@@ -36,7 +36,7 @@ from jaxpar.train.loop import NonfiniteWatch, StepLog
 from jaxpar.train.precision import DTYPES, apply_precision, check_precision
 from jaxpar.train.preflight import check_attention_fits, check_step_fits
 from jaxpar.train.evaluate import Evaluator, make_eval_step
-from jaxpar.train.step import make_init, make_step_spec, make_train_step
+from jaxpar.train.step import make_init, make_step_spec, make_train_step, reorder_state
 from jaxpar.xla import apply_xla_flags
 from models.moe import active_param_count
 
@@ -63,8 +63,9 @@ class Trainer:
         # mesh: auto & co.: the planner chooses for these devices (jaxpar train resolves earlier)
         self.cfg = cfg = self._resolve_auto(cfg)
         self.mesh = build_mesh(cfg.mesh, self.devices)
+        # interleaved_1f1b: each device's layers stored in the order it runs them (Plan.layer_order)
         self.plan = Plan(self.mesh, cfg.sharding.resolved_rules(), cfg.sharding.zero_stage,
-                         cfg.sharding.replicated_tolerance)
+                         cfg.sharding.replicated_tolerance, layer_rounds=cfg.pipeline.virtual_stages)
         custom = self.model_factory is not None
         check_layout(cfg, self.plan, check_model=not custom)
         check_precision(cfg)
@@ -85,7 +86,8 @@ class Trainer:
         self.documents = (Documents(self.loader.source.eos_id, cfg.data.reset_positions)
                           if cfg.data.packing else None)
         self.step_fn = self.make_step()
-        self.init_fn = make_init(self.model, self.tx, self.spec, DTYPES[cfg.train.param_dtype])
+        self.init_fn = make_init(self.model, self.plan, self.tx, self.spec, DTYPES[cfg.train.param_dtype])
+        self._reorders: dict[str, Callable] = {}
         self.evaluator = self.make_evaluator() if cfg.eval.every else None
         if self.flops_per_token is None:
             self.flops_per_token = self._flops_per_token(custom)
@@ -191,8 +193,31 @@ class Trainer:
                 **layout_meta(self.cfg, self.mesh),
                 "nonfinite": {"skipped": self.skipped_steps}}
 
+    def in_order(self, state: dict, to: str) -> dict:
+        """`state` with its layer stacks in `to` order: "canonical" (the model's: what a checkpoint
+        holds, so any layout, `jaxpar generate` and the HF export read it) or "stored" (what the
+        step runs on; they differ only with interleaved_1f1b: sharding.Plan.layer_order). One
+        jitted permutation, paid only at checkpoint time; "stored" donates its input (a restored
+        state)."""
+        if not self.plan.interleaves_layers:
+            return state
+        core = ("params", "opt_state")  # what reorder_state moves
+        if to not in self._reorders:
+            self._reorders[to] = jax.jit(
+                lambda st: reorder_state(st, self.model, self.plan, self.tx, to),
+                out_shardings={k: self.spec.state_shardings[k] for k in core},
+                donate_argnums=(0,) if to == "stored" else ())
+        return {**state, **self._reorders[to]({k: state[k] for k in core})}
+
     def save(self, ckpt, step: int, state: dict) -> None:
-        ckpt.save(step, state, self.checkpoint_meta(step), self.cfg.model_dump(mode="json"))
+        ckpt.save(step, self.in_order(state, "canonical"), self.checkpoint_meta(step),
+                  self.cfg.model_dump(mode="json"))
+
+    def restore_step(self, ckpt, step: int | None = None) -> tuple[dict, dict, int]:
+        """(state, meta, step) of `ckpt`'s `step` (None: its latest good one) onto this trainer's
+        layout, layer stacks in the stored order."""
+        state, meta, step = ckpt.restore(self.abstract_state_sharded(), step)
+        return self.in_order(state, "stored"), meta, step
 
     def _save_blocking(self, ckpt, step: int, state: dict, save: bool = True, wait: bool = False) -> None:
         """Save (and with `wait`, wait until every save has landed); the time the loop was blocked
@@ -226,7 +251,7 @@ class Trainer:
         else:  # another run's checkpoints: read only
             src = Checkpointer(plan.root, async_save=False, read_only=True, log=self.log)
         t0 = time.perf_counter()
-        state, meta, step = src.restore(self.abstract_state_sharded(), plan.step)
+        state, meta, step = self.restore_step(src, plan.step)
         if self.events is not None:
             self.events("checkpoint_restore", step=int(step), blocking_s=time.perf_counter() - t0)
             self.events("resume", step=int(step))
@@ -439,7 +464,7 @@ class Trainer:
                                   f"to roll back to")
         bad_batch = self.data_step(first_bad)
         del state
-        state, meta, restored = ckpt.restore(self.abstract_state_sharded(), good[-1])
+        state, meta, restored = self.restore_step(ckpt, good[-1])
         self.skipped_batches = sorted(set(self.skipped_batches) | {bad_batch})
         self.log(f"jaxpar: {msg}: rolled back to step {restored} and skipping data step {bad_batch}")
         return state, int(restored)

@@ -71,6 +71,11 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
     if len(n_layers) != 1:
         raise ValueError(f"stacked params disagree on the layer count: {sorted(n_layers)}")
     check_schedule(cfg.schedule, p, m, cfg.virtual_stages, n_layers.pop(), cfg.recompute)
+    if plan.layer_rounds != cfg.virtual_stages:
+        raise ValueError(f"pipeline.virtual_stages={cfg.virtual_stages} runs each device's layers "
+                         f"as {cfg.virtual_stages} chunks, but the plan stores them in "
+                         f"layer_rounds={plan.layer_rounds}: build the Plan with "
+                         f"layer_rounds=pipeline.virtual_stages (the Trainer does)")
     tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages, cfg.recompute)
     manual = frozenset(plan.batch_axes) | {"pipeline"}
     busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))

@@ -1,9 +1,10 @@
 """The pipelined forward and backward of one train step, run from a Timetable.
 
 Runs inside the step's shard_map, manual over `pipeline` (and the batch axes); `tensor` and
-co. stay with the compiler. Each device holds its stage's slice of the stacked layers (the plan
-shards `layers` over `pipeline`) and the whole (data-parallel-local) batch; the top params
-(embedding, final norm, head) are replicated over `pipeline`.
+co. stay with the compiler. Each device holds its stages' slice of the stacked layers (the plan
+shards `layers` over `pipeline`; with interleaved_1f1b it stores device d's chunks k*p + d in its
+block, in the order they run: sharding.Plan.layer_order) and the whole (data-parallel-local)
+batch; the top params (embedding, final norm, head) are replicated over `pipeline`.
 
 One `lax.scan` over the ticks; each tick
   1. looks up its row of the timetable with axis_index('pipeline'),
@@ -65,36 +66,6 @@ def flatten(tree: dict, prefix: tuple = ()) -> dict[tuple, Any]:
     return out
 
 
-def interleave_pairs(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
-    """Device d holds chunks d*v + j (j < v) of the layer stack in the plan's contiguous layout;
-    interleaved_1f1b wants chunks k*p + d. For each (j, k): the (source, destination) devices."""
-    pairs: dict = {}
-    for d in range(p):
-        for j in range(v):
-            c = d * v + j
-            pairs.setdefault((j, c // p), []).append((d, c % p))
-    return pairs
-
-
-def to_interleaved(x: jax.Array, p: int, v: int) -> jax.Array:
-    """[v, Lc, ...] contiguous chunks -> [v, Lc, ...] round-robin chunks (ppermutes only; each
-    chunk moves once)."""
-    out = [None] * v
-    for (j, k), pairs in interleave_pairs(p, v).items():
-        moved = jax.lax.ppermute(x[j], AXIS, pairs)
-        out[k] = moved if out[k] is None else out[k] + moved
-    return jnp.stack(out)
-
-
-def from_interleaved(x: jax.Array, p: int, v: int) -> jax.Array:
-    """The inverse of to_interleaved (for the gradients)."""
-    out = [None] * v
-    for (j, k), pairs in interleave_pairs(p, v).items():
-        moved = jax.lax.ppermute(x[k], AXIS, [(b, a) for a, b in pairs])
-        out[j] = moved if out[j] is None else out[j] + moved
-    return jnp.stack(out)
-
-
 def send_patterns(recv: np.ndarray, perm: list[tuple[int, int]]):
     """(patterns, index per tick): the distinct sets of `perm`'s pairs whose destination receives
     something on a tick (recv [tick, device] >= 0), numbered from 1; 0 is a tick without sends."""
@@ -146,9 +117,8 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
     def run(params, mbs, loss_fn):
         flat = flatten(params)
         top = {k: a for k, a in flat.items() if k not in stacked}
+        # the plan stores chunk k*p + d as device d's k-th (Plan.layer_order): the order it runs them
         lay = {k: a.reshape(v, a.shape[0] // v, *a.shape[1:]) for k, a in flat.items() if k in stacked}
-        if v > 1:
-            lay = {k: to_interleaved(a, p, v) for k, a in lay.items()}
 
         def call(top, lay_k, mb, hook, prep):
             state = model.state(nest({**top, **lay_k}))
@@ -331,8 +301,6 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         carry = jax.tree.map(lambda a: vary(a, manual),
                              (acc_top, acc_lay, loss0, buf(n_x), buf(n_g), rbuf))
         (acc_top, acc_lay, (loss, sown), *_), _ = jax.lax.scan(tick, carry, table)
-        if v > 1:
-            acc_lay = {n: from_interleaved(a, p, v) for n, a in acc_lay.items()}
         acc_lay = {n: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for n, a in acc_lay.items()}
         return loss[None], nest({**acc_top, **acc_lay}), jax.tree.map(lambda a: a[None], sown)
 
