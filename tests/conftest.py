@@ -79,3 +79,18 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(
                 f"--dist loadgroup is not grouping {item.nodeid}: this pytest-xdist does not work with "
                 f"pytest {pytest.__version__} (pyproject.toml pins the versions that do)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """JAXPAR_TEST_TIMELINE=FILE: each test's worker, start and end (setup and teardown included)
+    appended to FILE, to see how busy the workers are over a run (scripts/test_timeline.py)."""
+    path = os.environ.get("JAXPAR_TEST_TIMELINE")
+    if not path:
+        yield
+        return
+    import time
+    t0 = time.time()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'gw0')}\t{t0:.3f}\t{time.time():.3f}\t{item.nodeid}\n")
