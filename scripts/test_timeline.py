@@ -1,11 +1,13 @@
 """How busy the test workers were over a run: `JAXPAR_TEST_TIMELINE=/tmp/tl make test`, then
-`python scripts/test_timeline.py /tmp/tl`. Prints the busy workers per minute, the tail (the time
-at the end with fewer workers busy than at the start) and the heaviest modules."""
+`python scripts/test_timeline.py /tmp/tl [--write tests/durations.json]`. Prints the busy workers
+per minute, when each worker's last test ended and the heaviest modules; --write records each
+test's seconds, which tests/conftest.py uses to hand out the heaviest work first."""
+import json
 import sys
 from collections import defaultdict
 
 
-def main(path: str) -> None:
+def main(path: str, write: str | None = None) -> None:
     rows = []
     for line in open(path):
         worker, start, end, nodeid = line.rstrip("\n").split("\t", 3)
@@ -24,7 +26,13 @@ def main(path: str) -> None:
         per_module[nodeid.split("::")[0]] += e - s
     for mod, sec in sorted(per_module.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {sec:7.1f} s  {mod}")
+    if write:
+        seconds = {nodeid.partition("@")[0]: round(e - s, 1) for _, s, e, nodeid in rows}
+        with open(write, "w") as f:
+            json.dump(dict(sorted(seconds.items())), f, indent=0)
+            f.write("\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    main(args[0], args[args.index("--write") + 1] if "--write" in args else None)
