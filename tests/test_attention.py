@@ -252,9 +252,9 @@ def test_blockwise_temp_memory_is_a_fraction_of_xla_at_2k():
 
 def test_bench_attention_rows_and_table():
     mod, cfg = load("attention", None, ["model.n_layers=1", "train.compute_dtype=float32"])
-    res = mod.run(cfg, seqs=(64,))
+    res = mod.run(cfg, seqs=(64,), doc=16)
     assert [(r["kind"], r["impl"]) for r in res["rows"]] == [
-        ("layer", "xla"), ("layer", "blockwise"), ("step", "xla"), ("step", "blockwise")]
+        ("layer", "xla"), ("layer", "blockwise"), ("packed", "blockwise"), ("step", "xla"), ("step", "blockwise")]
     assert all(r["temp_bytes"] > 0 for r in res["rows"]) and res["rows"][0]["time_s"] > 0
     assert set(res["ratios"]) == {"layer@64", "step@64"}
     text = mod.format_result({"benchmark": "attention", **res})
