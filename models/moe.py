@@ -140,10 +140,10 @@ class MoE(nnx.Module):
             a = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
             y = y + jnp.einsum("bsf,fd->bsd", a, self.shared_down[...])
         w = token_weights
+        load = (jax.nn.one_hot(idx, m.num_experts, dtype=jnp.float32).mean(axis=(0, 1, 2)) if w is None
+                else expert_fraction(idx, m.num_experts, w).mean(0))
         aux = {"lb": load_balance_loss(probs, idx, m.num_experts, w), "z": z_loss(logits, w),
-               "dropped": dropped,
-               "load": (jax.nn.one_hot(idx, m.num_experts, dtype=jnp.float32).mean(axis=(0, 1, 2)) if w is None
-                        else expert_fraction(idx, m.num_experts, w).mean(0))}
+               "dropped": dropped, "load": load}
         return y, aux
 
 
@@ -220,7 +220,8 @@ class MoELlama(nnx.Module):
         cos, sin = model_rope(cfg, tokens.shape[1] if positions is None else positions)
         acc = {"lb": jnp.zeros(()), "z": jnp.zeros(()), "dropped": jnp.zeros(()),
                "load": jnp.zeros((m.num_experts,))}
-        x, acc = scan_layers(self.layers, (x, acc), lambda layer, c: layer(c, cos, sin, segment_ids, token_weights))
+        x, acc = scan_layers(self.layers, (x, acc),
+                             lambda layer, c: layer(c, cos, sin, segment_ids, token_weights))
         n_moe = cfg.n_layers // m.every_n
         acc = {k: v / n_moe for k, v in acc.items()}
         nn.sow("moe/load_balance_loss", acc["lb"], loss_weight=m.load_balance_coef)

@@ -186,7 +186,8 @@ def test_a_skipped_tile_is_never_read():
     def run(fn, k, v):
         out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
         return (out, *vjp(do))
-    got = jax.jit(lambda k, v: run(functools.partial(blockwise_attention, block=8), k, v))(poison(k), poison(v))
+    blockwise = functools.partial(blockwise_attention, block=8)
+    got = jax.jit(lambda k, v: run(blockwise, k, v))(poison(k), poison(v))
     ref = jax.jit(lambda k, v: run(xla_attention, k, v))(k, v)
     keep = np.asarray(~bad)
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
@@ -311,7 +312,8 @@ def test_bench_attention_rows_and_table():
     mod, cfg = load("attention", None, ["model.n_layers=1", "train.compute_dtype=float32"])
     res = mod.run(cfg, seqs=(64,), doc=16)
     assert [(r["kind"], r["impl"]) for r in res["rows"]] == [
-        ("layer", "xla"), ("layer", "blockwise"), ("packed", "blockwise"), ("step", "xla"), ("step", "blockwise")]
+        ("layer", "xla"), ("layer", "blockwise"), ("packed", "blockwise"), ("step", "xla"),
+        ("step", "blockwise")]
     assert all(r["temp_bytes"] > 0 for r in res["rows"]) and res["rows"][0]["time_s"] > 0
     assert set(res["ratios"]) == {"layer@64", "step@64"}
     text = mod.format_result({"benchmark": "attention", **res})

@@ -47,7 +47,8 @@ def layer_flops(cfg: Config, seq: int) -> float:
     return 4.0 * seq * seq * m.n_heads * m.resolved_head_dim
 
 
-def measure_layer(cfg: Config, seq: int, impl: str, log: Callable[[str], None], doc: int | None = None) -> dict:
+def measure_layer(cfg: Config, seq: int, impl: str, log: Callable[[str], None],
+                  doc: int | None = None) -> dict:
     """The layer row; with `doc`, the packed row (one sequence of seq / doc documents)."""
     m = cfg.model
     dtype = DTYPES[cfg.train.compute_dtype]
@@ -127,8 +128,8 @@ def format_result(res: dict) -> str:
         kind = r["kind"] if r.get("doc") is None else f"packed, documents of {r['doc']}"
         rows.append([kind, r["seq"], r["impl"], fmt_bytes(r["temp_bytes"]),
                      "-" if ratio is None else f"{ratio:.3f}", fmt_bytes(scores), t])
-    note = ("layer: one attention fwd+bwd, one sequence; packed: the same with segment ids; step: the whole train step (compile-only), "
-            "one sequence per device; ratio: blockwise temp / xla temp")
+    note = ("layer: one attention fwd+bwd, one sequence; packed: the same with segment ids; step: the "
+            "whole train step (compile-only), one sequence per device; ratio: blockwise temp / xla temp")
     cols = ["kind", "seq", "impl", "temp", "ratio", "scores f32", "time"]
     return "\n".join([head, table(cols, rows), note])
 
