@@ -309,12 +309,14 @@ def test_blockwise_temp_memory_is_a_fraction_of_xla_at_2k():
 
 
 def test_bench_attention_rows_and_table():
-    mod, cfg = load("attention", None, ["model.n_layers=1", "train.compute_dtype=float32"])
+    mod, cfg = load("attention", None, ["model.n_layers=1", "train.compute_dtype=float32",
+                                        "model.attention_block=16"])
     res = mod.run(cfg, seqs=(64,), doc=16)
     assert [(r["kind"], r["impl"]) for r in res["rows"]] == [
         ("layer", "xla"), ("layer", "blockwise"), ("packed", "blockwise"), ("step", "xla"),
         ("step", "blockwise")]
     assert all(r["temp_bytes"] > 0 for r in res["rows"]) and res["rows"][0]["time_s"] > 0
+    assert res["rows"][2]["tiles"] == [4, 10]  # documents of 16 in tiles of 16: the diagonal only
     assert set(res["ratios"]) == {"layer@64", "step@64"}
     text = mod.format_result({"benchmark": "attention", **res})
     assert "blockwise" in text and "ratio" in text

@@ -148,8 +148,8 @@ def loop(xs, body, carry, n=None):
 
 def segment_ranges(seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The (lowest, highest) segment id of each tile and row, [n, b] each, of blocked ids
-    [n, b, block]. Padding's negative ids match nothing, so they are left out: a tile of padding
-    only gets (int32 max, -1), a range no other overlaps."""
+    [n, b, block]. The negative ids of the positions that pad a ragged last tile match nothing,
+    so they are left out: a tile of those only would get (int32 max, -1), overlapping none."""
     real = seg >= 0
     return jnp.where(real, seg, jnp.iinfo(jnp.int32).max).min(-1), jnp.where(real, seg, -1).max(-1)
 
@@ -174,7 +174,7 @@ def schedule(pairs, keep: jax.Array | None):
     return jnp.asarray(pairs)[order], keep.sum(dtype=jnp.int32)
 
 
-def _tile_schedule(t: "Tiling", qs, ks):
+def _tile_schedule(t: Tiling, qs, ks):
     """The (query block, key block) pairs the kernel visits, as `schedule` gives them: the causal
     list of `t`, less the pairs whose tiles share no segment (qs / ks: blocked ids or None)."""
     pairs = t.pairs()

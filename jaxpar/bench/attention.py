@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.attention import attention
+from jaxpar.attention.blockwise import visited_tiles
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
 from jaxpar.config import Config
 from jaxpar.metrics import compiled_memory
@@ -66,6 +67,9 @@ def measure_layer(cfg: Config, seq: int, impl: str, log: Callable[[str], None],
     compiled = jax.jit(fwd_bwd).lower(*args).compile()
     out = {"kind": kind, "impl": impl, "seq": seq, "time_s": None, "doc": doc,
            "temp_bytes": compiled_memory(compiled).get("temp_bytes")}
+    if impl == "blockwise":  # the (query, key) tiles it computes, of those under the causal mask
+        visited, causal = visited_tiles(seg, seq, block=m.attention_block)
+        out["tiles"] = [int(visited), causal]
     if layer_flops(cfg, seq) <= TIME_FLOPS and (out["temp_bytes"] or 0) <= TIME_MAX_TEMP:
         keys = jax.random.split(jax.random.PRNGKey(0), 4)
         xs = [jax.random.normal(kk, a.shape, dtype) for kk, a in zip(keys, args)]
@@ -126,6 +130,8 @@ def format_result(res: dict) -> str:
         ratio = res["ratios"].get(f"{r['kind']}@{r['seq']}") if r["impl"] == "blockwise" else None
         t = "-" if r.get("time_s") is None else f"{r['time_s'] * 1e3:.1f} ms"
         kind = r["kind"] if r.get("doc") is None else f"packed, documents of {r['doc']}"
+        if r.get("tiles"):
+            kind += f" ({r['tiles'][0]} of {r['tiles'][1]} tiles)"
         rows.append([kind, r["seq"], r["impl"], fmt_bytes(r["temp_bytes"]),
                      "-" if ratio is None else f"{ratio:.3f}", fmt_bytes(scores), t])
     note = ("layer: one attention fwd+bwd, one sequence; packed: the same with segment ids; step: the "
