@@ -193,7 +193,9 @@ class Llama(nnx.Module):
             self.head = param(rngs, (D, V), ("embed", "vocab"), std=cfg.init_std)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+                 positions: jax.Array | None = None, token_weights: jax.Array | None = None) -> jax.Array:
+        """tokens [batch, seq] -> logits; segment_ids / positions [batch, seq] for packed
+        documents; token_weights (which tokens count) unused: no per-token statistic is sown."""
         cfg = self.cfg
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
         cos, sin = model_rope(cfg, tokens.shape[1] if positions is None else positions)

@@ -10,7 +10,11 @@ for the experts' dim). The router losses and expert load are reported with `jaxp
   moe/z_loss             mean over tokens of logsumexp(router logits)^2; weight z_loss_coef
   moe/dropped_fraction   fraction of (token, choice) assignments dropped by the capacity
   moe/load               [E] fraction of assignments that chose each expert
-each averaged over the MoE layers.
+each averaged over the MoE layers. With `token_weights` [batch, seq] (packed documents: 0 for
+padding and each document's closing EOS, the tokens the LM loss does not count) the router's
+statistics count only weighted tokens: f_e, P_e, the z loss and the load are weighted means per
+sequence, averaged over sequences (a sequence is a whole row on every layout, so the step's
+average over devices stays the one-device value).
 """
 from __future__ import annotations
 
@@ -57,15 +61,34 @@ def swiglu_ragged(rows: jax.Array, sizes: jax.Array, w_gate, w_up, w_down) -> ja
     return jax.lax.ragged_dot(jax.nn.silu(g) * u, w_down, sizes)
 
 
-def load_balance_loss(probs: jax.Array, expert_idx: jax.Array, num_experts: int) -> jax.Array:
-    """Switch load-balancing loss, per sequence then averaged: probs [G, S, E], expert_idx [G, S, k]."""
-    f = jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.float32).mean(axis=(1, 2))   # [G, E]
-    p = probs.astype(jnp.float32).mean(axis=1)                                        # [G, E]
+def _sequence_mean(x: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """x [G, S, ...] -> [G, ...]: each sequence's mean over its tokens, weighted by `weights` [G, S]
+    (a sequence with no weight gives 0)."""
+    if weights is None:
+        return x.mean(axis=1)
+    w = weights.astype(jnp.float32).reshape(*weights.shape, *(1,) * (x.ndim - 2))
+    return (x * w).sum(axis=1) / jnp.maximum(w.sum(axis=1), 1e-30)
+
+
+def expert_fraction(expert_idx: jax.Array, num_experts: int, weights: jax.Array | None = None) -> jax.Array:
+    """f [G, E]: per sequence, the fraction of its (weighted) tokens' top-k assignments to each expert."""
+    return _sequence_mean(jax.nn.one_hot(expert_idx, num_experts, dtype=jnp.float32).mean(axis=2), weights)
+
+
+def load_balance_loss(probs: jax.Array, expert_idx: jax.Array, num_experts: int,
+                      weights: jax.Array | None = None) -> jax.Array:
+    """Switch load-balancing loss, per sequence then averaged: probs [G, S, E], expert_idx [G, S, k];
+    `weights` [G, S]: only weighted tokens count in f and P."""
+    f = expert_fraction(expert_idx, num_experts, weights)              # [G, E]
+    p = _sequence_mean(probs.astype(jnp.float32), weights)             # [G, E]
     return (num_experts * (f * p).sum(-1)).mean()
 
 
-def z_loss(logits: jax.Array) -> jax.Array:
-    return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
+def z_loss(logits: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Mean of logsumexp(logits)^2 over tokens; with `weights` [G, S] the weighted mean per sequence,
+    averaged over sequences."""
+    z2 = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
+    return z2.mean() if weights is None else _sequence_mean(z2, weights).mean()
 
 
 class MoE(nnx.Module):
@@ -97,10 +120,12 @@ class MoE(nnx.Module):
         gates = top_p / top_p.sum(-1, keepdims=True) if normalize else top_p
         return logits, probs, idx, gates
 
-    def __call__(self, h: jax.Array, dispatch: str | None = None) -> tuple[jax.Array, dict]:
+    def __call__(self, h: jax.Array, dispatch: str | None = None,
+                 token_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """h [batch, seq, embed] -> (y, aux) with aux as in AUX_KEYS (this layer's values).
         `dispatch` overrides moe.dispatch (decoding is dropless: a token's output never depends
-        on which other tokens share its step)."""
+        on which other tokens share its step); `token_weights` [batch, seq]: the tokens the
+        router losses and the load count (None: all)."""
         m = self.moe
         logits, probs, idx, gates = self.route(h)
         wg, wu, wd = self.w_gate[...], self.w_up[...], self.w_down[...]
@@ -114,9 +139,11 @@ class MoE(nnx.Module):
             u = jnp.einsum("bsd,df->bsf", h, self.shared_up[...])
             a = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
             y = y + jnp.einsum("bsf,fd->bsd", a, self.shared_down[...])
-        aux = {"lb": load_balance_loss(probs, idx, m.num_experts), "z": z_loss(logits),
-               "dropped": dropped,
-               "load": jax.nn.one_hot(idx, m.num_experts, dtype=jnp.float32).mean(axis=(0, 1, 2))}
+        w = token_weights
+        load = (jax.nn.one_hot(idx, m.num_experts, dtype=jnp.float32).mean(axis=(0, 1, 2)) if w is None
+                else expert_fraction(idx, m.num_experts, w).mean(0))
+        aux = {"lb": load_balance_loss(probs, idx, m.num_experts, w), "z": z_loss(logits, w),
+               "dropped": dropped, "load": load}
         return y, aux
 
 
@@ -129,11 +156,11 @@ class MoEBlock(nnx.Module):
 
     qkv, attention, decode_attention = Block.qkv, Block.attention, Block.decode_attention
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array | None = None,
+                 token_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
         x = x + self.attention(rms_norm(x, self.attn_norm[...], self.eps), cos, sin, segment_ids)
         x = constrain(x, RESIDUAL)
-        y, aux = self.moe(rms_norm(x, self.mlp_norm[...], self.eps))
+        y, aux = self.moe(rms_norm(x, self.mlp_norm[...], self.eps), token_weights=token_weights)
         return constrain(x + y, RESIDUAL), aux
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: dict, pos: jax.Array):
@@ -152,11 +179,11 @@ class Group(nnx.Module):
             setattr(self, f"dense{i}", Block(cfg, num_groups, rngs))
         self.moe_layer = MoEBlock(cfg, num_groups, rngs)
 
-    def __call__(self, carry, cos, sin, segment_ids=None):
+    def __call__(self, carry, cos, sin, segment_ids=None, token_weights=None):
         x, acc = carry
         for i in range(self.n_dense):
             x = getattr(self, f"dense{i}")(x, cos, sin, segment_ids)
-        x, aux = self.moe_layer(x, cos, sin, segment_ids)
+        x, aux = self.moe_layer(x, cos, sin, segment_ids, token_weights)
         return x, jax.tree.map(jnp.add, acc, aux)
 
     def decode(self, x, cos, sin, cache: dict, pos):
@@ -185,14 +212,16 @@ class MoELlama(nnx.Module):
             self.head = param(rngs, (D, V), ("embed", "vocab"), std=cfg.init_std)
 
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
-        """As models.llama.Llama (segment_ids, positions [batch, seq] optional)."""
+                 positions: jax.Array | None = None, token_weights: jax.Array | None = None) -> jax.Array:
+        """As models.llama.Llama (segment_ids, positions [batch, seq] optional); token_weights
+        [batch, seq]: the tokens the router losses and the load count (None: all)."""
         cfg, m = self.cfg, self.cfg.moe
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
         cos, sin = model_rope(cfg, tokens.shape[1] if positions is None else positions)
         acc = {"lb": jnp.zeros(()), "z": jnp.zeros(()), "dropped": jnp.zeros(()),
                "load": jnp.zeros((m.num_experts,))}
-        x, acc = scan_layers(self.layers, (x, acc), lambda layer, c: layer(c, cos, sin, segment_ids))
+        x, acc = scan_layers(self.layers, (x, acc),
+                             lambda layer, c: layer(c, cos, sin, segment_ids, token_weights))
         n_moe = cfg.n_layers // m.every_n
         acc = {k: v / n_moe for k, v in acc.items()}
         nn.sow("moe/load_balance_loss", acc["lb"], loss_weight=m.load_balance_coef)

@@ -139,6 +139,64 @@ def test_causal_tiles_above_the_diagonal_are_never_computed():
     assert len(bw.visible_pairs(6, 6, 8, 8, 48, 0, causal=True)) == 36
 
 
+# packed rows (ids non-decreasing, the same document boundaries in both rows): at block 8 the
+# tiles hold documents {0}, {0,1}, {1}, {1}, {2}, {2}, so 10 of the 21 causal tiles share none
+PACKED = np.array([[0] * 12 + [1] * 20 + [2] * 16, [3] * 12 + [4] * 20 + [5] * 16], np.int32)
+
+
+def tiles_sharing_a_segment(seg: np.ndarray, block: int) -> int:
+    """numpy: the causal (query tile, key tile) pairs holding some key k <= query q of the same
+    segment in some row, the tiles cut from position 0 (the last one short)."""
+    n = -(-seg.shape[1] // block)
+    pos = np.arange(seg.shape[1])
+    count = 0
+    for i in range(n):
+        for j in range(n):
+            q, k = pos[i * block:(i + 1) * block], pos[j * block:(j + 1) * block]
+            same = seg[:, q][:, :, None] == seg[:, k][:, None, :]
+            count += bool((same & (k[None, :] <= q[:, None])).any())
+    return count
+
+
+@pytest.mark.parametrize("block", [8, 20])
+def test_tiles_no_segment_shares_are_skipped_and_the_result_equals_xla(block):
+    """The kernel visits only the tiles where a query and a key share a document (its count
+    against a numpy one, below the causal count), and its output and gradients still equal xla's."""
+    visited, causal = bw.visited_tiles(jnp.asarray(PACKED), S, block=block)
+    assert int(visited) == tiles_sharing_a_segment(PACKED, block) < causal, (int(visited), causal)
+    q, k, v, do = inputs(4, 2, seed=2)
+    seg = jnp.asarray(PACKED)
+    run = lambda fn: jax.jit(lambda *a: (lambda o, vjp: (o, *vjp(a[3])))(*jax.vjp(
+        lambda q, k, v: fn(q, k, v, seg), *a[:3])))(q, k, v, do)
+    got = run(functools.partial(blockwise_attention, block=block))
+    for g, r in zip(got, run(xla_attention)):
+        assert_close(g, r)
+
+
+def test_a_skipped_tile_is_never_read():
+    """NaN keys and values of the middle document (tiles 2 and 3 at block 8, no other document
+    in them): the tiles of the other documents' queries against them are skipped, so those
+    queries' outputs and every gradient outside the middle document stay finite and equal xla's
+    on clean inputs. Visiting them would spread the NaN (0 * NaN in p @ v and in dq)."""
+    seg = jnp.asarray(np.repeat([[0, 1, 2], [3, 4, 5]], 16, axis=1).astype(np.int32))
+    q, k, v, do = inputs(4, 2, seed=3)
+    bad = (jnp.arange(S) >= 16) & (jnp.arange(S) < 32)
+    poison = lambda x: jnp.where(bad[None, :, None, None], jnp.nan, x)
+
+    def run(fn, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+        return (out, *vjp(do))
+    blockwise = functools.partial(blockwise_attention, block=8)
+    got = jax.jit(lambda k, v: run(blockwise, k, v))(poison(k), poison(v))
+    ref = jax.jit(lambda k, v: run(xla_attention, k, v))(k, v)
+    keep = np.asarray(~bad)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+        g = np.asarray(g)[:, keep]
+        assert np.isfinite(g).all(), name
+        assert_close(g, np.asarray(r)[:, keep])
+    assert np.isnan(np.asarray(got[0])[:, ~keep]).all()  # the poison reached its own document
+
+
 def test_block_step_composes_over_key_chunks_at_global_positions():
     """What ring attention will do: one query chunk, the keys arriving in two chunks with their
     global offsets, block_forward per chunk, then finish == attention of the whole sequence."""
@@ -251,11 +309,14 @@ def test_blockwise_temp_memory_is_a_fraction_of_xla_at_2k():
 
 
 def test_bench_attention_rows_and_table():
-    mod, cfg = load("attention", None, ["model.n_layers=1", "train.compute_dtype=float32"])
-    res = mod.run(cfg, seqs=(64,))
+    mod, cfg = load("attention", None, ["model.n_layers=1", "train.compute_dtype=float32",
+                                        "model.attention_block=16"])
+    res = mod.run(cfg, seqs=(64,), doc=16)
     assert [(r["kind"], r["impl"]) for r in res["rows"]] == [
-        ("layer", "xla"), ("layer", "blockwise"), ("step", "xla"), ("step", "blockwise")]
+        ("layer", "xla"), ("layer", "blockwise"), ("packed", "blockwise"), ("step", "xla"),
+        ("step", "blockwise")]
     assert all(r["temp_bytes"] > 0 for r in res["rows"]) and res["rows"][0]["time_s"] > 0
+    assert res["rows"][2]["tiles"] == [4, 10]  # documents of 16 in tiles of 16: the diagonal only
     assert set(res["ratios"]) == {"layer@64", "step@64"}
     text = mod.format_result({"benchmark": "attention", **res})
     assert "blockwise" in text and "ratio" in text

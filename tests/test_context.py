@@ -49,8 +49,9 @@ def reference(heads, kv_heads, segments):
     return (out, *vjp(do))
 
 
-def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4):
-    """(out, dq, dk, dv) of the strategy's hook in a shard_map over `context`, in global order."""
+def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs=None):
+    """(out, dq, dk, dv) of the strategy's hook in a shard_map over `context`, in global order;
+    `segments` a bool (SEGMENTS or none) or an array of ids; `xs` (q, k, v, do) or `inputs`."""
     mesh = Mesh(np.array(devices[:cp.size]), ("context",))
     order = gathered_order(cp.layout, cp.size, S)  # the devices' tokens, concatenated
     hook = cp.attention()
@@ -62,8 +63,9 @@ def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4):
 
     spec = P(None, "context")
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4))
-    q, k, v, do = inputs(heads, kv_heads)
-    seg = jnp.asarray(SEGMENTS[:, order]) if segments else None
+    q, k, v, do = xs or inputs(heads, kv_heads)
+    ids = SEGMENTS if segments is True else (segments if segments is not False else None)
+    seg = None if ids is None else jnp.asarray(np.asarray(ids)[:, order])
     outs = run(*(x[:, order] for x in (q, k, v, do)), seg)
     inv = np.argsort(order)
     return [x[:, inv] for x in outs]
@@ -92,6 +94,23 @@ def test_ring_tile_larger_than_a_run(devices):
     got = sharded(ContextParallel(4, "ring", "zigzag"), devices, 8, 4, True, block=5)
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference(8, 4, True)):
         assert_close(g, r, what=name)
+
+
+def test_ring_never_reads_a_tile_no_segment_shares(devices):
+    """Documents of 8 tokens, tiles of 4 (each inside one document), context 4 zigzag; NaN keys
+    and values of document 3: every tile of another document's queries against them is skipped,
+    so outside document 3 outputs and gradients stay finite and equal xla's on clean inputs (a
+    visited tile spreads the NaN: 0 * NaN in p @ v and in dq)."""
+    seg = np.repeat(np.arange(16).reshape(2, 8), 8, axis=1).astype(np.int32)
+    q, k, v, do = inputs(8, 4)
+    bad = (np.arange(S) >= 24) & (np.arange(S) < 32)
+    poison = lambda x: jnp.where(jnp.asarray(bad)[None, :, None, None], jnp.nan, x)
+    got = sharded(ContextParallel(4, "ring", "zigzag"), devices, 8, 4, seg, xs=(q, poison(k), poison(v), do))
+    out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, jnp.asarray(seg)), q, k, v)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(do))):
+        g = np.asarray(g)[:, ~bad]
+        assert np.isfinite(g).all(), name
+        assert_close(g, np.asarray(r)[:, ~bad], what=name)
 
 
 # ------------------------------------------------------------------ the train step

@@ -209,6 +209,55 @@ def test_load_balance_loss_minimal_for_uniform_load():
     assert float(load_balance_loss(jnp.full((1, S_, n), 1 / n), idx, n)) == pytest.approx(1.0)
 
 
+def router_losses_reference(h, router, w):
+    """float64 numpy: (load-balance loss, z loss, load [E], d(lb + z)/dh) of a router over the
+    tokens with weight w [G, S] > 0 only, per sequence then averaged over sequences."""
+    h, router, w = (np.asarray(a, np.float64) for a in (h, router, w))
+    G = h.shape[0]
+    logits = h @ router
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    probs = np.exp(logits - lse[..., None])
+    idx = np.argsort(-probs, axis=-1)[..., :K]
+    chosen = (idx[..., None] == np.arange(E)).mean(axis=2)             # [G, S, E]
+    share = w / w.sum(1, keepdims=True)                                 # each token's weight in its row
+    f = np.einsum("gs,gse->ge", share, chosen)
+    p = np.einsum("gs,gse->ge", share, probs)
+    lb = (E * (f * p).sum(-1)).mean()
+    z = (share * lse ** 2).sum(1).mean()
+    d_probs = E * f[:, None, :] * share[..., None] / G                 # d lb / d probs
+    d_logits = probs * (d_probs - (d_probs * probs).sum(-1, keepdims=True))
+    d_logits += 2 * (share * lse)[..., None] * probs / G                # d z / d logits
+    return lb, z, f.mean(0), d_logits @ router.T
+
+
+def test_router_losses_count_only_weighted_tokens(layer):
+    """Packed rows: the padding (token weight 0) takes no part in the router losses or the load:
+    values and their gradient w.r.t. the layer's input equal a float64 numpy reference over the
+    weighted tokens (and differ from the one over all tokens, so the check can fail)."""
+    graphdef, state, params, x, _ = layer
+    w = np.ones((B, S), np.float32)
+    w[0, 5:] = 0.0  # padding at the end of rows, as the packer leaves it
+    w[3, 2:] = 0.0
+    w[5, ::3] = 0.0  # documents' closing EOS: not counted either
+
+    def aux(x, w):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, params)
+        a = nnx.merge(graphdef, st)(x, token_weights=w)[1]
+        return a["lb"] + a["z"], a
+
+    (_, got), dx = jax.jit(jax.value_and_grad(aux, has_aux=True))(x, jnp.asarray(w))
+    lb, z, load, ref_dx = router_losses_reference(x, params["router"], w)
+    assert float(got["lb"]) == pytest.approx(lb, rel=1e-5)
+    assert float(got["z"]) == pytest.approx(z, rel=1e-5)
+    np.testing.assert_allclose(got["load"], load, rtol=1e-5, atol=1e-7)
+    dx = np.asarray(dx)
+    assert np.abs(dx - ref_dx).max() <= 1e-5 * np.abs(ref_dx).max()
+    assert not dx[w == 0].any()  # no router-loss gradient reaches the padding
+    lb_all, z_all, _, _ = router_losses_reference(x, params["router"], np.ones_like(w))
+    assert abs(lb_all - lb) > 1e-3 and abs(z_all - z) > 1e-3, (lb_all, lb, z_all, z)
+
+
 def test_config_errors(devices):
     with pytest.raises(ConfigError, match=r"top_k=3 is above num_experts=2"):
         make_config({}, ["model.preset=moe_tiny", "model.moe.num_experts=2", "model.moe.top_k=3"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar import nn
 from jaxpar.attention import attention, blockwise_attention, cudnn_attention, xla_attention
 from jaxpar.config import ConfigError
 from jaxpar.data import DataLoader, build_source, write_bin
@@ -286,6 +287,43 @@ def test_packed_step_loss_and_gradients_equal_the_per_document_reference(layout,
     assert max(jax.tree.leaves(errs)) < 2e-5, errs
 
 
+def test_packed_moe_router_counts_only_real_tokens_and_equals_one_device(corpus, devices):
+    """The target weights reach the MoE router through the step (Rows.apply -> token_weights):
+    the step's router losses are the model's own over the packed rows with their weights (not
+    over every token), and data=2 x expert=4 gives the one-device loss, router losses and
+    gradients (router statistics are per sequence, and a sequence is a whole row everywhere)."""
+    path, _ = corpus
+    moe = ("model.preset=moe_tiny", "model.n_layers=2", "sharding.replicated_tolerance=1.0")
+    one = Trainer(packed_cfg(path, *moe, "mesh.data=1"), devices=devices[:1], log=QUIET)
+    rows = np.asarray(one.loader.batch(0))
+    state = one.init_state()
+    params = jax.device_get(state["params"])
+    _, ref = one.make_step(return_grads=True)(state, place_batch(one, rows))
+    ref = to_numpy(ref)
+
+    batch = document_batch(jnp.asarray(rows), EOS)
+    model = one.model.merge(one.model.state(jax.device_put(params, devices[0])))
+
+    @jax.jit
+    def sown(weights):
+        with nn.collect_aux() as out:
+            model(batch.inputs, batch.segment_ids, token_weights=weights)
+        return {k: v for k, (v, _) in out.items()}
+    counted, every = sown(batch.weights), sown(jnp.ones_like(batch.weights))
+    for key in ("moe/load_balance_loss", "moe/z_loss"):
+        assert float(ref[key]) == pytest.approx(float(counted[key]), rel=1e-5), key
+        assert abs(float(every[key]) - float(counted[key])) > 1e-5 * float(counted[key]), key
+
+    ep = Trainer(packed_cfg(path, *moe, "mesh.data=2", "mesh.expert=4"), devices=devices, log=QUIET)
+    _, got = ep.make_step(return_grads=True)(ep.init_state(), place_batch(ep, rows))
+    got = to_numpy(got)
+    for key in ("loss", "aux_loss", "moe/load_balance_loss", "moe/z_loss", "moe/load/0"):
+        assert float(got[key]) == pytest.approx(float(ref[key]), rel=1e-5), key
+    errs = jax.tree.map(lambda g, r: float(np.abs(g - r).max() / (np.abs(r).max() + 1e-12)),
+                        got["grads"], ref["grads"])
+    assert max(jax.tree.leaves(errs)) < 2e-5, errs
+
+
 def test_local_sgd_replicas_each_get_the_mean_over_their_own_documents(corpus, devices, reference):
     """Under local SGD each replica's gradient is the mean over the targets of its own rows (its
     count psum'd within the replica only)."""
@@ -362,6 +400,8 @@ def test_rows_apply_passes_only_what_they_have():
     seg = jnp.ones((1, 4), jnp.int32)
     Batch(jnp.zeros((1, 5), jnp.int32), segment_ids=seg).rows().apply(lambda x, **kw: seen.update(kw))
     assert list(seen) == ["segment_ids"]
+    document_batch(jnp.zeros((1, 5), jnp.int32), EOS).rows().apply(lambda x, **kw: seen.update(kw))
+    assert list(seen) == ["segment_ids", "token_weights"]  # the target weights, as the model's
 
 
 # ---------------------------------------------------------------- a sequence too long for the devices

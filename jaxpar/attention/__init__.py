@@ -2,7 +2,8 @@
 
   xla        jax.nn.dot_product_attention (XLA): the reference; [b, heads, seq, seq] scores
   blockwise  our online-softmax attention over query/key tiles with a recomputing custom VJP
-             (blockwise.py): O(seq x block) memory, every backend, causal-empty tiles skipped
+             (blockwise.py): O(seq x block) memory, every backend, the tiles the causal mask or
+             the segment ids leave empty skipped
   cudnn      cuDNN flash attention (GPU, bfloat16/float16)
   auto       cudnn where it runs, else blockwise from `threshold` tokens on, else xla
 

@@ -4,7 +4,9 @@ Scores exist one [block, block] tile at a time. The forward keeps a running max,
 per query row (online softmax); the custom VJP recomputes each tile's probabilities from the
 saved log-sum-exp instead of storing them. One while loop visits only the (query block, key
 block) pairs some query may see: under the causal mask the tiles above the diagonal are not in
-its list, so they are never computed.
+its list, so they are never computed; with segment ids (packed documents) the pairs whose
+query tile and key tile share no segment are moved behind the others at run time and the loop
+stops before them (`schedule`), forward and backward alike.
 
 `block_forward` / `block_backward` are one tile's step with explicit global positions and
 segment ids: ring attention calls them for each key/value chunk that arrives.
@@ -126,19 +128,59 @@ class Tiling(NamedTuple):
         return visible_pairs(self.nq, self.nk, self.bq, self.bk, self.q_offset, self.kv_offset, self.causal)
 
 
-def loop(xs, body, carry):
-    """carry = body(carry, x) for each row x of the constant table `xs`, as a while loop. A
-    scan here would be split by JAX's partial evaluation inside a differentiated layer scan: the
-    parts that depend only on constants (every tile's causal mask, in ring attention the
-    probabilities too) hoisted out and stacked over all iterations, [tiles, block, block] bytes
-    (528 MiB at 8K tokens). A while loop is never split."""
+def loop(xs, body, carry, n=None):
+    """carry = body(carry, x) for each of the first `n` rows x of the table `xs` (default: all
+    of them), as a while loop. A scan here would be split by JAX's partial evaluation inside a
+    differentiated layer scan: the parts that depend only on constants (every tile's causal mask,
+    in ring attention the probabilities too) hoisted out and stacked over all iterations,
+    [tiles, block, block] bytes (528 MiB at 8K tokens). A while loop is never split, and its
+    trip count `n` may be a traced value (`schedule`)."""
     xs = jnp.asarray(xs)
+    n = xs.shape[0] if n is None else n
+    i0 = jnp.int32(0) if isinstance(n, int) else vary_together(jnp.zeros((), jnp.int32), n)
 
     def step(c):
         i, inner = c
         return i + 1, body(inner, jax.lax.dynamic_index_in_dim(xs, i, keepdims=False))
 
-    return jax.lax.while_loop(lambda c: c[0] < xs.shape[0], step, (jnp.int32(0), carry))[1]
+    return jax.lax.while_loop(lambda c: c[0] < n, step, (i0, carry))[1]
+
+
+def segment_ranges(seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The (lowest, highest) segment id of each tile and row, [n, b] each, of blocked ids
+    [n, b, block]. The negative ids of the positions that pad a ragged last tile match nothing,
+    so they are left out: a tile of those only would get (int32 max, -1), overlapping none."""
+    real = seg >= 0
+    return jnp.where(real, seg, jnp.iinfo(jnp.int32).max).min(-1), jnp.where(real, seg, -1).max(-1)
+
+
+def share_segment(q_ranges, k_ranges, i, j) -> jax.Array:
+    """[n] bool: whether query tile i[n] and key tile j[n] may hold a query and a key of the same
+    segment, i.e. their id ranges overlap in some row. Disjoint ranges hold no equal pair of ids
+    whatever the ids' order, so skipping on False is exact for any segment ids; packed rows
+    (train/batch.py: ids count the EOS before a token, non-decreasing in steps of 1) make the
+    test tight: every id of a range is in its tile, so an overlap is a shared document."""
+    (qlo, qhi), (klo, khi) = q_ranges, k_ranges
+    return ((qlo[i] <= khi[j]) & (klo[j] <= qhi[i])).any(-1)
+
+
+def schedule(pairs, keep: jax.Array | None):
+    """(table, count) for `loop`: the rows of `pairs` where `keep` first (in their order, so the
+    arithmetic is that of visiting all: a skipped tile would leave the state as it was), then
+    the others; `count` the kept ones. keep None: all pairs, a static count."""
+    if keep is None:
+        return pairs, len(pairs)
+    order = jnp.argsort(jnp.logical_not(keep), stable=True)
+    return jnp.asarray(pairs)[order], keep.sum(dtype=jnp.int32)
+
+
+def _tile_schedule(t: Tiling, qs, ks):
+    """The (query block, key block) pairs the kernel visits, as `schedule` gives them: the causal
+    list of `t`, less the pairs whose tiles share no segment (qs / ks: blocked ids or None)."""
+    pairs = t.pairs()
+    if qs is None:
+        return schedule(pairs, None)
+    return schedule(pairs, share_segment(segment_ranges(qs), segment_ranges(ks), pairs[:, 0], pairs[:, 1]))
 
 
 def _at(x, i):
@@ -153,7 +195,7 @@ def _forward_blocks(t: Tiling, qb, kb, vb, qs, ks):
     """Blocked inputs (leading block dim: qb [nq, b, bq, kv, g, d], kb/vb [nk, b, bk, kv, d],
     segments [n, b, block] or None) -> (output like qb, lse [nq, b, bq, kv, g])."""
     q_pos, k_pos = t.positions()
-    pairs = t.pairs()
+    table, n = _tile_schedule(t, qs, ks)
     state = vary_together(init_state(qb), qb, kb, vb)
 
     def body(carry, ij):
@@ -163,7 +205,7 @@ def _forward_blocks(t: Tiling, qb, kb, vb, qs, ks):
                            causal=t.causal, scale=t.scale)
         return State(*(jax.lax.dynamic_update_index_in_dim(c, x, i, 0) for c, x in zip(carry, st)))
 
-    return finish(loop(pairs, body, state), qb.dtype)
+    return finish(loop(table, body, state, n), qb.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -191,7 +233,8 @@ def _attend_bwd(t, res, do):
                                     causal=t.causal, scale=t.scale)
         return _add_at(dq, gq, i), _add_at(dk, gk, j), _add_at(dv, gv, j)
 
-    dq, dk, dv = loop(t.pairs(), body, grads)
+    table, n = _tile_schedule(t, qs, ks)
+    dq, dk, dv = loop(table, body, grads, n)
     return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None, None
 
 
@@ -204,6 +247,25 @@ def _blocks(x: jax.Array, n: int, size: int, fill=0) -> jax.Array:
     if pad:
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
     return jnp.moveaxis(x.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
+
+
+def _tiling(b: int, sq: int, sk: int, d: int, segment_ids, *, causal: bool, block: int, scale, q_offset: int,
+            kv_offset: int) -> tuple[Tiling, jax.Array | None, jax.Array | None]:
+    """The call's Tiling and blocked segment ids (queries', keys'; None when neither segment ids
+    nor padding need a mask)."""
+    if segment_ids is not None and sq != sk:
+        raise ValueError(f"blockwise attention: segment_ids need self-attention, got {sq} queries, {sk} keys")
+    if block < 1:
+        raise ValueError(f"blockwise attention: block must be >= 1, got {block}")
+    bq, bk = min(block, sq), min(block, sk)
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    t = Tiling(bq, bk, nq, nk, q_offset, kv_offset, causal, d ** -0.5 if scale is None else float(scale))
+    qs = ks = None
+    if segment_ids is not None or nk * bk != sk:
+        seg = jnp.zeros((b, sk), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+        qs = _blocks(seg[:, :sq] if segment_ids is None else seg, nq, bq, fill=-2)
+        ks = _blocks(seg, nk, bk, fill=-1)  # padded keys match no query
+    return t, qs, ks
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
@@ -219,18 +281,19 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     sk, kvh = k.shape[1], k.shape[2]
     if h % kvh:
         raise ValueError(f"blockwise attention: {h} query heads are not a multiple of {kvh} kv heads")
-    if segment_ids is not None and sq != sk:
-        raise ValueError(f"blockwise attention: segment_ids need self-attention, got {sq} queries, {sk} keys")
-    if block < 1:
-        raise ValueError(f"blockwise attention: block must be >= 1, got {block}")
-    bq, bk = min(block, sq), min(block, sk)
-    nq, nk = -(-sq // bq), -(-sk // bk)
-    t = Tiling(bq, bk, nq, nk, q_offset, kv_offset, causal, d ** -0.5 if scale is None else float(scale))
-    qs = ks = None
-    if segment_ids is not None or nk * bk != sk:
-        seg = jnp.zeros((b, sk), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-        qs = _blocks(seg[:, :sq] if segment_ids is None else seg, nq, bq, fill=-2)
-        ks = _blocks(seg, nk, bk, fill=-1)  # padded keys match no query
-    qb = _blocks(q.reshape(b, sq, kvh, h // kvh, d), nq, bq)
-    o = _attend(t, qb, _blocks(k, nk, bk), _blocks(v, nk, bk), qs, ks)
-    return jnp.moveaxis(o, 0, 1).reshape(b, nq * bq, h, d)[:, :sq]
+    t, qs, ks = _tiling(b, sq, sk, d, segment_ids, causal=causal, block=block, scale=scale, q_offset=q_offset,
+                        kv_offset=kv_offset)
+    qb = _blocks(q.reshape(b, sq, kvh, h // kvh, d), t.nq, t.bq)
+    o = _attend(t, qb, _blocks(k, t.nk, t.bk), _blocks(v, t.nk, t.bk), qs, ks)
+    return jnp.moveaxis(o, 0, 1).reshape(b, t.nq * t.bq, h, d)[:, :sq]
+
+
+def visited_tiles(segment_ids: jax.Array | None, seq: int, *, block: int = 512,
+                  causal: bool = True) -> tuple[jax.Array | int, int]:
+    """(tiles blockwise_attention computes, tiles under the causal mask alone) for a
+    self-attention of `seq` tokens with `segment_ids` [b, seq]: the kernel's own schedule, each
+    pair computed once in the forward and once in the backward (a test and bench aid)."""
+    b = 1 if segment_ids is None else segment_ids.shape[0]
+    t, qs, ks = _tiling(b, seq, seq, 1, segment_ids, causal=causal, block=block, scale=None, q_offset=0,
+                        kv_offset=0)
+    return _tile_schedule(t, qs, ks)[1], len(t.pairs())

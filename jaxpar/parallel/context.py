@@ -7,8 +7,9 @@ attention runs through the strategy's hook (nn.Context.attention):
 
   ring        the device keeps its queries; key/value chunks travel around the ring by
               ppermute, each arriving chunk folded into an online softmax with blockwise.py's
-              tile step, [block, block] tiles that the causal mask leaves empty skipped (a
-              cond: the positions are only known per device). The custom VJP sends dK/dV around
+              tile step, [block, block] tiles that the causal mask or the segment ids (packed
+              documents) leave empty skipped (blockwise.schedule, at run time: the positions are
+              only known per device, the segments per batch). The custom VJP sends dK/dV around
               the ring with the chunks and recomputes the probabilities (no scores are saved).
   all_to_all  (Ulysses) an all_to_all from sequence-split to head-split, the model's own
               attention implementation over the whole sequence (reordered to global order), and
@@ -30,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import attention as attention_ops
-from jaxpar.attention.blockwise import F32, State, block_backward, block_forward, finish, init_state, loop
+from jaxpar.attention.blockwise import (F32, State, block_backward, block_forward, finish, init_state, loop,
+                                       schedule, segment_ranges, share_segment)
 from jaxpar.config import ConfigError, ContextConfig
 from jaxpar.sharding import Plan, vary_together
 
@@ -238,9 +240,16 @@ def _pairs(nq: int, nk: int) -> np.ndarray:
     return np.stack([i.ravel(), j.ravel()], 1).astype(np.int32)
 
 
-def _visible(qp, kp):
-    """Whether a tile holds a visible pair: its first key is at or before its last query."""
-    return kp.min() <= qp.max()
+def _chunk_schedule(qp, kp, qs, ks):
+    """(table, count) of the (query tile, key tile) pairs of one chunk that hold a visible pair:
+    the tile's first key at or before its last query, and (segment ids qs, ks [n, b, block])
+    some query sharing a segment with some key (blockwise.share_segment)."""
+    pairs = _pairs(qp.shape[0], kp.shape[0])
+    i, j = pairs[:, 0], pairs[:, 1]
+    keep = kp.min(-1)[j] <= qp.max(-1)[i]
+    if qs is not None:
+        keep = keep & share_segment(segment_ranges(qs), segment_ranges(ks), i, j)
+    return schedule(pairs, keep)
 
 
 def _chunk_forward(r: Ring, state: State, qb, kb, vb, qp, kp, qs, ks) -> State:
@@ -248,30 +257,27 @@ def _chunk_forward(r: Ring, state: State, qb, kb, vb, qp, kp, qs, ks) -> State:
     def body(carry, ij):
         i, j = ij[0], ij[1]
         st = State(*(_at(c, i) for c in carry))
-        visit = lambda st: block_forward(st, _at(qb, i), _at(kb, j), _at(vb, j), qp[i], kp[j], _at(qs, i),
-                                         _at(ks, j), causal=True, scale=r.scale)
-        st = jax.lax.cond(_visible(qp[i], kp[j]), visit, lambda st: st, st)
+        st = block_forward(st, _at(qb, i), _at(kb, j), _at(vb, j), qp[i], kp[j], _at(qs, i), _at(ks, j),
+                           causal=True, scale=r.scale)
         return State(*(jax.lax.dynamic_update_index_in_dim(c, x, i, 0) for c, x in zip(carry, st)))
 
-    return loop(_pairs(qb.shape[0], kb.shape[0]), body, state)
+    table, n = _chunk_schedule(qp, kp, qs, ks)
+    return loop(table, body, state, n)
 
 
 def _chunk_backward(r: Ring, grads, qb, kb, vb, do, lse, delta, qp, kp, qs, ks):
-    """(dq, dk, dv) plus one chunk's float32 contributions, tile by tile."""
+    """(dq, dk, dv) plus one chunk's float32 contributions, tile by tile (empty tiles skipped)."""
     def body(carry, ij):
         i, j = ij[0], ij[1]
+        dq, dk, dv = carry
+        gq, gk, gv = block_backward(_at(qb, i), _at(kb, j), _at(vb, j), _at(do, i), _at(lse, i),
+                                    _at(delta, i), qp[i], kp[j], _at(qs, i), _at(ks, j), causal=True,
+                                    scale=r.scale)
+        add = lambda acc, x, n: jax.lax.dynamic_update_index_in_dim(acc, _at(acc, n) + x, n, 0)
+        return add(dq, gq, i), add(dk, gk, j), add(dv, gv, j)
 
-        def visit(carry):
-            dq, dk, dv = carry
-            gq, gk, gv = block_backward(_at(qb, i), _at(kb, j), _at(vb, j), _at(do, i), _at(lse, i),
-                                        _at(delta, i), qp[i], kp[j], _at(qs, i), _at(ks, j), causal=True,
-                                        scale=r.scale)
-            add = lambda acc, x, n: jax.lax.dynamic_update_index_in_dim(acc, _at(acc, n) + x, n, 0)
-            return add(dq, gq, i), add(dk, gk, j), add(dv, gv, j)
-
-        return jax.lax.cond(_visible(qp[i], kp[j]), visit, lambda c: c, carry)
-
-    return loop(_pairs(qb.shape[0], kb.shape[0]), body, grads)
+    table, n = _chunk_schedule(qp, kp, qs, ks)
+    return loop(table, body, grads, n)
 
 
 def _ring_forward(r: Ring, qb, kb, vb, qs, ks):

@@ -59,9 +59,12 @@ class Rows(NamedTuple):
     weights: jax.Array | None = None
 
     def apply(self, model):
-        """model(inputs), with segment_ids / positions when given (a model that takes neither
-        still runs unpacked, unsplit rows)."""
-        kw = {k: getattr(self, k) for k in ("segment_ids", "positions") if getattr(self, k) is not None}
+        """model(inputs), with segment_ids / positions / token_weights (the target weights: which
+        tokens count, for the model's own per-token statistics such as MoE router losses) when
+        given (a model that takes none of them still runs unpacked, unsplit rows)."""
+        kw = {name: getattr(self, field) for field, name in
+              (("segment_ids", "segment_ids"), ("positions", "positions"), ("weights", "token_weights"))
+              if getattr(self, field) is not None}
         return model(self.inputs, **kw)
 
 
