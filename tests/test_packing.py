@@ -402,6 +402,9 @@ def test_rows_apply_passes_only_what_they_have():
     assert list(seen) == ["segment_ids"]
     document_batch(jnp.zeros((1, 5), jnp.int32), EOS).rows().apply(lambda x, **kw: seen.update(kw))
     assert list(seen) == ["segment_ids", "token_weights"]  # the target weights, as the model's
+    # a model that does not name token_weights (a user's) still runs packed rows
+    got = document_batch(jnp.zeros((1, 5), jnp.int32), EOS).rows().apply(lambda x, segment_ids=None: segment_ids)
+    assert got is not None and got.shape == (1, 4)
 
 
 # ---------------------------------------------------------------- a sequence too long for the devices

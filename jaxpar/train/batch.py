@@ -10,6 +10,7 @@ counts for nothing.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -61,11 +62,21 @@ class Rows(NamedTuple):
     def apply(self, model):
         """model(inputs), with segment_ids / positions / token_weights (the target weights: which
         tokens count, for the model's own per-token statistics such as MoE router losses) when
-        given (a model that takes none of them still runs unpacked, unsplit rows)."""
-        kw = {name: getattr(self, field) for field, name in
-              (("segment_ids", "segment_ids"), ("positions", "positions"), ("weights", "token_weights"))
-              if getattr(self, field) is not None}
+        given (a model that takes none of them still runs unpacked, unsplit rows). token_weights
+        are optional information: a model whose call does not name them runs packed rows too."""
+        kw = {k: getattr(self, k) for k in ("segment_ids", "positions") if getattr(self, k) is not None}
+        if self.weights is not None and _takes(model, "token_weights"):
+            kw["token_weights"] = self.weights
         return model(self.inputs, **kw)
+
+
+def _takes(model, name: str) -> bool:
+    """Whether model(...) accepts the keyword `name` (named, or through **kwargs)."""
+    try:
+        params = inspect.signature(model).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 @dataclass(frozen=True)
