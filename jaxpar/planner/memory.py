@@ -231,3 +231,47 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     out["logits"] = loss_tokens * ms.vocab / tp * 4 * LOGIT_COPIES
     out["batch"] = t.global_batch / batch_div * (t.seq_len + 1) * 4
     return out
+
+
+def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: int = 0) -> float:
+    """Bytes a device moves to and from memory per step that no cache holds (`state`: this
+    layout's state_terms; `ticks`: the pipeline runner's):
+      stash     what a microbatch's forward keeps for its backward (KEPT by remat; a pipeline
+                stage's vjp residuals, or with pipeline.recompute its input and the stage
+                recomputed in the backward tick) and the float32 logits: written, read back;
+                a remat's recomputed layer is one layer's worth, live only inside the layer
+      weights   read by the forward and the backward of each microbatch (ZeRO-3: gathered)
+      grads     written per microbatch (accumulated in place)
+      optimizer params, gradient and Adam's state read, params and state written, per step
+      ticks     every tick of the pipeline runner's switch returns a stage's residuals (a
+                forward's, or the zeros of the other branches), filed into the ring buffer, the
+                stage's float32 gradient accumulators and its activation / cotangent buffers,
+                idle or not
+    Why: a small model's step on a CPU is bound by this traffic as much as by its FLOPs
+    (remat `full` runs faster than none there), and it is the roofline's other axis on a GPU."""
+    t = cfg.train
+    c = itemsize(t.compute_dtype)
+    ms = ModelShape.of(cfg.model)
+    batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
+    seqs = t.global_batch / batch_div / layout.micro
+    tokens = seqs * t.seq_len / layout.size("context")
+    tp, p = layout.size("tensor"), layout.size("pipeline")
+    cp = layout.size("context")
+    xla = attention_impl(cfg) == "xla" and not (cp > 1 and cfg.context.strategy == "ring")
+    sp = cfg.sharding.sequence_parallel
+    layers = ms.layers / p
+    kept = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp)
+    if p > 1 and layout.recompute:
+        full = per_token_layer_bytes(ms, "none", c, tp, t.seq_len, xla, sp)
+        stash = tokens * (ms.dim * c + layers * (full if layout.remat == "none" else kept))
+        residuals = 0.0
+    else:
+        stash = tokens * layers * kept
+        residuals = stash
+    loss_tokens = min(tokens, t.loss_chunk * seqs) if t.loss_chunk else tokens
+    stash += loss_tokens * ms.vocab / tp * 4
+    weights = state["params"] + state["gathered"] if layout.zero_stage >= 3 else state["params"]
+    per_micro = 2 * stash + 2 * weights + state["grads"]
+    optimizer = 2 * (state["params"] + state["opt_state"]) + state["grads"] + state["update"]
+    per_tick = 2 * residuals + state["grads"] + 2 * tokens * ms.dim * c if p > 1 else 0.0
+    return layout.micro * per_micro + optimizer + ticks * per_tick
