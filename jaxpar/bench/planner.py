@@ -73,7 +73,7 @@ def measure(cfg: Config, steps: int) -> tuple[float, float]:
 RESET = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1", "mesh.expert=1"]
 
 
-def run(cfg: Config, log: Callable[[str], None] = lambda s: None, steps: int = 5,
+def run(cfg: Config, log: Callable[[str], None] = lambda s: None, steps: int = 10,
         layouts: list[str] = LAYOUTS) -> dict:
     cluster = load_cluster(cfg.planner.cluster or "cpu8").with_devices(jax.device_count())
     # devices that share compute units: a step's wall time is all devices' work over the units,

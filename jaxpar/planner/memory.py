@@ -240,9 +240,11 @@ def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: in
                 stage's vjp residuals, or with pipeline.recompute its input and the stage
                 recomputed in the backward tick) and the float32 logits: written, read back;
                 a remat's recomputed layer is one layer's worth, live only inside the layer
-      weights   read by the forward and the backward of each microbatch (ZeRO-3: gathered)
+      weights   read by the forward and the backward of each microbatch (ZeRO-3: each layer's
+                gathered whole, written by the gather and read)
       grads     written per microbatch (accumulated in place)
-      optimizer params, gradient and Adam's state read, params and state written, per step
+      optimizer the optimizer shard's params, gradient and Adam state read, params and state
+                written, per step (ZeRO-1/2: and the all-gathered params)
       ticks     every tick of the pipeline runner's switch returns a stage's residuals (a
                 forward's, or the zeros of the other branches), filed into the ring buffer, the
                 stage's float32 gradient accumulators and its activation / cotangent buffers,
@@ -270,8 +272,16 @@ def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: in
         residuals = stash
     loss_tokens = min(tokens, t.loss_chunk * seqs) if t.loss_chunk else tokens
     stash += loss_tokens * ms.vocab / tp * 4
-    weights = state["params"] + state["gathered"] if layout.zero_stage >= 3 else state["params"]
+    if layout.zero_stage >= 3:  # each layer's weights gathered whole (written) for each pass
+        weights = 2 * state["params"] * layout.size("fsdp")
+    else:
+        weights = state["params"]
     per_micro = 2 * stash + 2 * weights + state["grads"]
-    optimizer = 2 * (state["params"] + state["opt_state"]) + state["grads"] + state["update"]
+    # the update runs on the optimizer's shard: its params, float32 gradient and Adam state, read
+    # and written (ZeRO-1/2 then write the all-gathered params)
+    shard = state["update"] / (4 * ADAM_TRANSIENT)
+    optimizer = 2 * state["opt_state"] + shard * (2 * itemsize(t.param_dtype) + 4) + state["update"]
+    if layout.zero_stage in (1, 2):
+        optimizer += state["gathered"]
     per_tick = 2 * residuals + state["grads"] + 2 * tokens * ms.dim * c if p > 1 else 0.0
     return layout.micro * per_micro + optimizer + ticks * per_tick

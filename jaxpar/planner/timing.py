@@ -168,14 +168,15 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
     shared = False
     if cluster.shared_compute:
         # every device's work queues for the shared units: replicated work counts once per
-        # device, idle ticks cost nothing, pipeline.recompute's second forward does (+1/3)
+        # device, idle ticks cost nothing, pipeline.recompute's second forward does (+1/3 of
+        # the compute; its bytes are in step_traffic)
         per_unit = devices / cluster.compute_units
         again = 4 / 3 if layout.size("pipeline") > 1 and layout.recompute else 1.0
-        busy = per_unit * ((part_c + part_m) * again + layer_fixed + tick_fixed) + on_path + exposed["grad_sync"]
+        busy = per_unit * (part_c * again + part_m + layer_fixed + tick_fixed) + on_path + exposed["grad_sync"]
         if busy > step:
             step, shared, bubble = busy, True, 0.0
-            parts = {"compute": per_unit * again * part_c, "memory": per_unit * again * (part_m - part_f),
-                     "fresh": per_unit * again * part_f, "comm": on_path + exposed["grad_sync"],
+            parts = {"compute": per_unit * again * part_c, "memory": per_unit * (part_m - part_f),
+                     "fresh": per_unit * part_f, "comm": on_path + exposed["grad_sync"],
                      "fixed": per_unit * (layer_fixed + tick_fixed)}
     return StepTime(part_c, exposed, bubble, step, tokens / step, model_flops / (step * devices * peak),
                     model_flops, part_m, layer_fixed + tick_fixed, shared, parts)
