@@ -3,10 +3,10 @@ and how long planning a large model takes.
 
   ranking   for LAYOUTS (>= 10 layouts of the quickstart model on the machine's devices): the
             predicted step time (cluster `cpu8`, or planner.cluster's file) beside the median of
-            `steps` steps, in wall and process CPU seconds; Spearman rank correlation (target
-            >= 0.8) against CPU seconds / compute units when the cluster's CPU devices share
-            compute units (then CPU seconds are the work, robust to other processes' load),
-            else against wall time
+            `steps` steps (the layouts' steps taken in turns), in wall and process CPU seconds;
+            Spearman rank correlation (target >= 0.8) against CPU seconds / compute units when
+            the cluster's CPU devices share compute units (then CPU seconds are the work, which
+            other processes' load moves much less), else against wall time
   planning  seconds to plan the 70B preset on 1024 GPUs (h100_80gb_x8; target < 10 s)
 """
 from __future__ import annotations
@@ -51,23 +51,37 @@ def spearman(a, b) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def measure(cfg: Config, steps: int) -> tuple[float, float]:
-    """(median wall seconds, median process CPU seconds) per step. CPU seconds count every
-    thread's work, so on a CPU whose devices share cores they are the step's total work and
-    barely move when other processes load the machine (wall time does)."""
-    tr = Trainer(cfg, log=lambda s: None)
-    step = tr.compile()
-    state = tr.init_state()
-    wall, cpu = [], []
-    for i in range(steps + 1):
-        batch = jax.block_until_ready(tr.loader.batch(i))
+class Stepper:
+    """One layout compiled, with its state: `step()` runs one step and returns its (wall, process
+    CPU) seconds. CPU seconds count every thread's work, so on a CPU whose devices share cores
+    they are the step's total work, and other processes' load moves them much less than wall time."""
+
+    def __init__(self, cfg: Config):
+        self.tr = Trainer(cfg, log=lambda s: None)
+        self.fn = self.tr.compile()
+        self.state = self.tr.init_state()
+        self.i = 0
+
+    def step(self) -> tuple[float, float]:
+        batch = jax.block_until_ready(self.tr.loader.batch(self.i))
+        self.i += 1
         t0, c0 = time.perf_counter(), time.process_time()
-        state, metrics = step(state, batch)
+        self.state, metrics = self.fn(self.state, batch)
         jax.block_until_ready(metrics["loss"])
-        if i:  # the first call may still pay for transfers and caches
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-    return float(np.median(wall)), float(np.median(cpu))
+        return time.perf_counter() - t0, time.process_time() - c0
+
+
+def measure(steppers: list[Stepper], steps: int) -> list[tuple[float, float]]:
+    """(median wall, median CPU seconds) per step of each layout, their steps taken in turns (one
+    step of each, `steps` + 1 rounds, the first left out: it may still pay for transfers and
+    caches), so that the machine's changing load falls on every layout alike."""
+    times: list[list[tuple[float, float]]] = [[] for _ in steppers]
+    for r in range(steps + 1):
+        for s, out in zip(steppers, times):
+            t = s.step()
+            if r:
+                out.append(t)
+    return [(float(np.median([w for w, _ in t])), float(np.median([c for _, c in t]))) for t in times]
 
 
 RESET = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1", "mesh.expert=1"]
@@ -79,20 +93,21 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, steps: int = 1
     # devices that share compute units: a step's wall time is all devices' work over the units,
     # which process CPU seconds measure without the other processes' load (wall time does not)
     by_cpu = cluster.platform == "cpu" and cluster.shared_compute
-    rows = []
+    rows, steppers = [], []
     for overrides in layouts:
         c = with_overrides(cfg, [*RESET, *overrides.split()])
         layout = Layout.of_config(c, jax.device_count())
-        tr = Trainer(c, log=lambda s: None)
-        comm = step_collectives(c, layout, tr.model, abstract_plan(c, layout))
-        pred = step_time(c, layout, tr.model, cluster, comm).step_s
-        wall, cpu = measure(c, steps)
-        mem = estimate(c, layout, tr.model)["total"]
-        meas = cpu / cluster.compute_units if by_cpu else wall
-        log(f"planner: {layout.label()}: predicted {pred * 1e3:.1f} ms, measured {meas * 1e3:.1f} ms "
-            f"(wall {wall * 1e3:.1f} ms, CPU {cpu * 1e3:.1f} ms)")
-        rows.append({"layout": layout.label(), "predicted_s": pred, "measured_s": meas, "wall_s": wall,
-                     "cpu_s": cpu, "memory_bytes": mem})
+        s = Stepper(c)
+        comm = step_collectives(c, layout, s.tr.model, abstract_plan(c, layout))
+        rows.append({"layout": layout.label(), "predicted_s": step_time(c, layout, s.tr.model, cluster, comm).step_s,
+                     "memory_bytes": estimate(c, layout, s.tr.model)["total"]})
+        steppers.append(s)
+        log(f"planner: compiled {layout.label()}")
+    for row, (wall, cpu) in zip(rows, measure(steppers, steps)):
+        row.update(measured_s=cpu / cluster.compute_units if by_cpu else wall, wall_s=wall, cpu_s=cpu)
+        log(f"planner: {row['layout']}: predicted {row['predicted_s'] * 1e3:.1f} ms, measured "
+            f"{row['measured_s'] * 1e3:.1f} ms (wall {wall * 1e3:.1f} ms, CPU {cpu * 1e3:.1f} ms)")
+    del steppers
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     rho_wall = spearman([r["predicted_s"] for r in rows], [r["wall_s"] for r in rows])
     big = with_overrides(cfg, ["model.preset=70b", "model.n_layers=80", "model.dim=8192",
