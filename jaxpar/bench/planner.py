@@ -99,7 +99,8 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, steps: int = 1
         layout = Layout.of_config(c, jax.device_count())
         s = Stepper(c)
         comm = step_collectives(c, layout, s.tr.model, abstract_plan(c, layout))
-        rows.append({"layout": layout.label(), "predicted_s": step_time(c, layout, s.tr.model, cluster, comm).step_s,
+        pred = step_time(c, layout, s.tr.model, cluster, comm).step_s
+        rows.append({"layout": layout.label(), "predicted_s": pred,
                      "memory_bytes": estimate(c, layout, s.tr.model)["total"]})
         steppers.append(s)
         log(f"planner: compiled {layout.label()}")

@@ -1,7 +1,8 @@
 """`jaxpar plan calibrate [-o FILE]`: measure this machine into a cluster description: how many
 devices share a compute unit (one device's matmul throughput alone against all devices' at
-once), a unit's matmul throughput per dtype and memory bandwidth (every device at once, over the
-units; on a CPU also the rate of first touches of fresh memory), all-reduce bandwidth and latency over the local devices, the fixed cost of a loop
+once; on a CPU the devices over its cores), a unit's matmul throughput per dtype and memory
+bandwidth (every device at once, over the units; on a CPU also the rate of first touches of
+fresh memory), all-reduce bandwidth and latency over the local devices, the fixed cost of a loop
 iteration (efficiency.layer_overhead_us) and of a pipeline tick (a switch and a send:
 efficiency.tick_overhead_us), memory per device (the accelerator's, or the host's RAM shared by
 forced CPU devices)."""
@@ -81,7 +82,8 @@ def memory_gbps(size_bytes: int) -> tuple[float, float | None]:
     n = jax.local_device_count()
     in_place, fresh = run(True), run(False)
     touch = fresh - in_place
-    return n * 2 * size_bytes / in_place / 1e9, (n * size_bytes / touch / 1e9 if touch > 0.05 * in_place else None)
+    first_touch = n * size_bytes / touch / 1e9 if touch > 0.05 * in_place else None
+    return n * 2 * size_bytes / in_place / 1e9, first_touch
 
 
 def loop_overhead_us(iterations: int = 200) -> tuple[float, float]:
@@ -167,7 +169,8 @@ def calibrate() -> Cluster:
                    devices_per_host=devices, hosts=jax.process_count(),
                    memory_gib=round(memory_per_device(), 2), devices_per_unit=per_unit, peak_tflops=peaks,
                    memory_gbps=round(mem, 3), fresh_gbps=fresh and round(fresh, 3), intra=link,
-                   inter=link.model_copy(update={"bandwidth_gbps": link.bandwidth_gbps / 8, "collective": "ring"}),
+                   inter=link.model_copy(update={"bandwidth_gbps": link.bandwidth_gbps / 8,
+                                                 "collective": "ring"}),
                    efficiency=Efficiency(matmul=0.9, comm=0.9, overlap=0.0, gather_overlap=0.0,
                                          layer_overhead_us=round(loop_us / per_device, 2),
                                          tick_overhead_us=round(tick_us / per_device, 2),

@@ -2,11 +2,12 @@
 
 A description (YAML) gives devices per host, hosts, memory per device, how many devices share a
 compute unit (forced XLA:CPU devices share the host's cores), peak FLOP/s per dtype and memory
-bandwidth of a unit (and on a CPU the rate of first touches of fresh memory), and per link (intra-host: NVLink / ICI / shared memory; inter-host: InfiniBand / DCN) the bandwidth
-one device sees and the latency of one collective step. `efficiency` holds the factors the
-cost model multiplies the peaks by (what `jaxpar plan fit` learns from measured runs).
-Built-in presets live in jaxpar/planner/clusters/*.yaml; `jaxpar plan calibrate` writes one for
-this machine.
+bandwidth of a unit (on a CPU also the rate of first touches of fresh memory), and per link
+(intra-host: NVLink / ICI / shared memory; inter-host: InfiniBand / DCN) the bandwidth one
+device sees and the latency of one collective step (or op). `efficiency` holds the factors the
+cost model multiplies the peaks by and its fixed costs (what `jaxpar plan fit` learns from
+measured runs). Built-in presets live in jaxpar/planner/clusters/*.yaml; `jaxpar plan
+calibrate` writes one for this machine.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import Config
-from jaxpar.planner.layout import Layout, abstract_plan
+from jaxpar.planner.layout import Layout, abstract_plan, timetable
 from jaxpar.sharding import Plan, entry_axes
 from jaxpar.train.precision import DTYPES, has_masters
 
@@ -218,7 +218,6 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     elif layout.size("pipeline") > 1:
         # A forward tick stashes its stage's vjp residuals for its backward: the timetable's
         # residual slots of one microbatch's stage activations each, plus the working set.
-        from jaxpar.planner.timing import timetable
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
         slots = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, False).n_r_slots
         stage = tokens * layers / v * (kept if layout.remat != "none" else full)

@@ -40,8 +40,9 @@ class Scored:
     def terms(self) -> dict[str, float]:
         """Seconds per step by term: compute, memory traffic, fixed overheads, exposed
         collectives by purpose, bubble."""
-        return {"compute": self.time.compute_s, "memory": self.time.memory_s, "overhead": self.time.overhead_s,
-                **{f"comm:{k}": v for k, v in self.time.comm_s.items()}, "bubble": self.time.bubble_s}
+        t = self.time
+        return {"compute": t.compute_s, "memory": t.memory_s, "overhead": t.overhead_s,
+                **{f"comm:{k}": v for k, v in t.comm_s.items()}, "bubble": t.bubble_s}
 
 
 @dataclass

@@ -28,12 +28,11 @@ MFU = model FLOPs (no recompute) per step / (step time x devices x peak).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from jaxpar.metrics import llama_flops_per_token
 from jaxpar.planner.cluster import Cluster
-from jaxpar.planner.layout import Layout
+from jaxpar.planner.layout import Layout, timetable
 from jaxpar.planner.memory import activation_terms, state_terms, step_traffic
 
 RECOMPUTE = {"none": 1.0, "dots_saveable": 1.05, "dots_with_no_batch_dims_saveable": 1.05, "full": 4 / 3}
@@ -52,12 +51,6 @@ def model_flops_per_token(cfg, model) -> float:
 def recompute_factor(layout: Layout) -> float:
     """Work per step over the model's (remat); a pipeline's own recompute is in its timetable."""
     return RECOMPUTE[layout.remat]
-
-
-@functools.lru_cache(maxsize=4096)
-def timetable(schedule: str, p: int, m: int, v: int, recompute: bool):
-    from jaxpar.parallel.pipeline.schedule import build_timetable
-    return build_timetable(schedule, p, m, v, recompute)
 
 
 def pipeline_stretch(layout: Layout, microbatches: int) -> float:
@@ -172,7 +165,8 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
         # the compute; its bytes are in step_traffic)
         per_unit = devices / cluster.compute_units
         again = 4 / 3 if layout.size("pipeline") > 1 and layout.recompute else 1.0
-        busy = per_unit * (part_c * again + part_m + layer_fixed + tick_fixed) + on_path + exposed["grad_sync"]
+        work = part_c * again + part_m + layer_fixed + tick_fixed
+        busy = per_unit * work + on_path + exposed["grad_sync"]
         if busy > step:
             step, shared, bubble = busy, True, 0.0
             parts = {"compute": per_unit * again * part_c, "memory": per_unit * (part_m - part_f),
