@@ -1,6 +1,7 @@
 """The planner's cost model against the compiler, its search against the config checks, and its
 predictions against a published result (Megatron-LM's weak-scaling table)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -169,8 +170,9 @@ def test_megatron_weak_scaling_large_row():
 
 def test_long_sequences_search_context_parallelism():
     """configs/long_context.yaml (32K tokens, one sequence per step: no data parallelism) on the
-    cpu8 cluster: splitting the sequence beats the layouts without context (a pipeline of one
-    microbatch idles most ticks, tensor stops at 4 heads); the Trainer accepts the plan. Below
+    cpu8 cluster: splitting the sequence beats the layouts without context, by 2x where each
+    device has its own compute unit (a pipeline of one microbatch idles most ticks, tensor stops
+    at 4 heads); the Trainer accepts the plan. Below
     CONTEXT_MIN_SEQ the axis is not searched at all."""
     cfg = load_config("configs/long_context.yaml", ["mesh.context=1"])
     model = ModelDef.from_factory(llama_model_factory(cfg))
@@ -178,10 +180,15 @@ def test_long_sequences_search_context_parallelism():
     assert result.ranked, result.rejected.keys()
     best = result.ranked[0]
     assert best.layout.size("context") > 1, best.layout.label()
-    plain = [s for s in result.ranked if s.layout.size("context") == 1]
-    assert plain and plain[0].time.step_s > 2 * best.time.step_s, (plain[0].layout.label(), best.layout.label())
     assert best.comm["purpose"]["context"] > 0 and best.time.comm_s["context"] > 0
     Trainer(best.layout.config(cfg), log=lambda m: None)  # the config checks accept it
+    # with a compute unit per device the idle ticks cost their devices' time: context wins by 2x
+    # (cpu8's 8 devices share 2 cores, so there an idle device's core serves the others)
+    own = search(cfg, load_cluster("cpu8").model_copy(update={"devices_per_unit": 1}), model)
+    best = own.ranked[0]
+    plain = [s for s in own.ranked if s.layout.size("context") == 1]
+    assert best.layout.size("context") > 1, best.layout.label()
+    assert plain and plain[0].time.step_s > 2 * best.time.step_s, (plain[0].layout.label(), best.layout.label())
     short = load_config("configs/long_context.yaml", ["mesh.context=1", "train.seq_len=4096"])
     assert CONTEXT_MIN_SEQ > 4096
     found = search(short, load_cluster("cpu8"), model)
@@ -200,6 +207,18 @@ def test_cluster_presets_and_errors(tmp_path):
         load_cluster(bad)
     with pytest.raises(ConfigError, match="not a preset"):
         load_cluster("dgx9000")
+    head = "name: x\nplatform: cpu\ndevices_per_host: 8\nmemory_gib: 1\npeak_tflops: {float32: 1}\n"
+    link = "{bandwidth_gbps: 1, latency_us: 1}"
+    for extra, field, valid in (("devices_per_unit: 0", "devices_per_unit = 0", "greater than or equal to 1"),
+                                ("memory_gbps: -3", "memory_gbps = -3", "greater than 0"),
+                                ("fresh_gbps: 0", "fresh_gbps = 0", "greater than 0"),
+                                ("intra: {bandwidth_gbps: 1, latency_us: 1, collective: mesh}",
+                                 "intra.collective = 'mesh'", "'ring' or 'rendezvous'")):
+        links = f"inter: {link}\n" + ("" if extra.startswith("intra") else f"intra: {link}\n")
+        bad.write_text(head + links + extra + "\n")
+        with pytest.raises(ConfigError, match=valid) as e:
+            load_cluster(bad)
+        assert field in str(e.value), str(e.value)
 
 
 def test_plan_cli(capsys):
@@ -241,37 +260,112 @@ def test_auto_keeps_what_the_user_fixed():
     assert chosen.train.remat in ("none", "full", "dots_saveable") and plan.layout.remat == chosen.train.remat
 
 
-def test_fit_recovers_the_efficiency_that_produced_the_times(tmp_path):
-    """Step times made by the model itself at matmul 0.4 / comm 0.3: the fit finds those."""
-    from jaxpar.planner.fit import fit_cluster, terms
+def test_fit_recovers_the_constants_that_produced_the_times(tmp_path):
+    """Step times made by the model itself with compute 1.25x, memory 0.8x, fresh memory 1.5x and
+    collectives 2x the cpu8 preset's: the fit finds those factors, and the cluster it writes
+    predicts the times."""
+    from jaxpar.planner.fit import PARTS, fit_cluster, terms
     cluster = load_cluster("cpu8")
-    dirs = []
+    truth = {"compute": 1.25, "memory": 0.8, "fresh": 1.5, "comm": 2.0, "fixed": 1.0}
+    dirs, times = [], []
     layouts = ["mesh.data=8 mesh.fsdp=1 mesh.tensor=1 sharding.zero_stage=0",
                "mesh.data=2 mesh.fsdp=4 mesh.tensor=1 sharding.zero_stage=3",
-               "mesh.data=4 mesh.fsdp=1 mesh.tensor=2"]
+               "mesh.data=4 mesh.fsdp=1 mesh.tensor=2",
+               "mesh.data=8 mesh.fsdp=1 mesh.tensor=1 sharding.zero_stage=0 train.remat=full",
+               "mesh.data=8 mesh.fsdp=1 mesh.tensor=1 sharding.zero_stage=0 train.grad_accum=2"]
     for i, layout in enumerate(layouts):
         cfg = load_config("configs/quickstart.yaml", layout.split())
         d = tmp_path / f"run{i}"
         d.mkdir()
         (d / "config.yaml").write_text(cfg.to_yaml())
-        compute, comm, fixed, _ = terms(cluster, d, None)
-        t = compute / 0.4 + comm / 0.3 + fixed
+        parts, _ = terms(cluster, d, None)
+        t = sum(parts[k] * truth[k] for k in PARTS)
         records = [{"step": s, "step_time_s": t * (9 if s == 1 else 1)} for s in range(1, 6)]  # 1: compile
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         dirs.append(str(d))
+        times.append(t)
     fitted, report = fit_cluster(cluster, dirs)
-    assert fitted.efficiency.matmul == pytest.approx(0.4, rel=1e-3)
-    assert fitted.efficiency.comm == pytest.approx(0.3, rel=1e-3)
+    for k in ("compute", "memory", "fresh", "comm"):
+        assert report["factors"][k] == pytest.approx(truth[k], rel=1e-3), (k, report["factors"])
+    assert fitted.efficiency.matmul == pytest.approx(cluster.efficiency.matmul / 1.25, rel=1e-3)
+    assert fitted.fresh_gbps == pytest.approx(cluster.fresh_gbps / 1.5, rel=1e-3)
     out = tmp_path / "fitted.yaml"
     assert main(["plan", "fit", *dirs, "--cluster", "cpu8", "-o", str(out)]) == 0
-    assert load_cluster(out).efficiency.matmul == pytest.approx(0.4, rel=1e-3)
+    again = load_cluster(out)
+    assert again.memory_gbps == pytest.approx(cluster.memory_gbps / 0.8, rel=1e-3)
+    for d, t in zip(dirs, times):
+        parts, _ = terms(again, Path(d), None)
+        assert sum(parts.values()) == pytest.approx(t, rel=1e-3)
     (tmp_path / "run0" / "metrics.jsonl").unlink()
     with pytest.raises(ConfigError, match="run0 has no metrics.jsonl"):
         fit_cluster(cluster, dirs)
 
 
+def _predict(overrides: str, cluster, **updates):
+    """step_time of a quickstart layout on `cluster` with its efficiency `updates` (no compile)."""
+    from jaxpar.planner.timing import step_time
+    cfg = load_config("configs/quickstart.yaml", ["checkpoint.enabled=false", *overrides.split()])
+    model = ModelDef.from_factory(llama_model_factory(cfg))
+    layout = Layout.of_config(cfg, 8)
+    if updates:
+        cluster = cluster.model_copy(update={"efficiency": cluster.efficiency.model_copy(update=updates)})
+    return step_time(cfg, layout, model, cluster, step_collectives(cfg, layout, model, abstract_plan(cfg, layout)))
+
+
+def test_shared_compute_units_sum_every_devices_work():
+    """cpu8: 8 devices on 2 cores. The step is all devices' work over the units: halving the
+    units doubles the work part; a pipeline's idle ticks cost nothing (no bubble), each tick its
+    fixed cost on every device; the same cluster with a unit per device keeps the bubble."""
+    cpu8 = load_cluster("cpu8")
+    assert cpu8.shared_compute and cpu8.compute_units == 2
+    dp = "mesh.data=8 mesh.fsdp=1 mesh.tensor=1 sharding.zero_stage=0"
+    two, one = _predict(dp, cpu8), _predict(dp, cpu8.model_copy(update={"devices_per_unit": 8}))
+    work = lambda t: t.step_s - t.parts["comm"]
+    assert two.shared and one.shared and work(one) == pytest.approx(2 * work(two), rel=1e-9)
+    # replicated optimizer work counts on every device: ZeRO-0 moves more bytes than ZeRO-1
+    z1 = _predict("mesh.data=1 mesh.fsdp=8 mesh.tensor=1 sharding.zero_stage=1", cpu8)
+    assert two.parts["memory"] > z1.parts["memory"]
+    pp = "mesh.data=2 mesh.fsdp=1 mesh.tensor=1 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe " + TOL
+    from jaxpar.planner.timing import pipeline_ticks
+    ticks = pipeline_ticks(Layout.of_config(load_config("configs/quickstart.yaml", [*pp.split()]), 8), 4)
+    base, slow = _predict(pp, cpu8, tick_overhead_us=0.0), _predict(pp, cpu8, tick_overhead_us=1000.0)
+    assert base.shared and base.bubble_s == 0 and ticks == 14
+    assert slow.step_s - base.step_s == pytest.approx(ticks * 1e-3 * 8 / cpu8.compute_units, rel=1e-6)
+    own = cpu8.model_copy(update={"devices_per_unit": 1})
+    assert not own.shared_compute and _predict(pp, own).bubble_s > 0
+
+
+def test_memory_roofline_and_rendezvous_latency():
+    """efficiency.memory_overlap 1 takes the longer of compute and memory traffic, 0 adds them;
+    remat full moves fewer bytes than none (its stash is a layer's input); a `rendezvous` link
+    pays its latency once per collective op, a `ring` one per ring step."""
+    cpu8 = load_cluster("cpu8")
+    dp = "mesh.data=8 mesh.fsdp=1 mesh.tensor=1 sharding.zero_stage=0"
+    add, top = _predict(dp, cpu8, memory_overlap=0.0), _predict(dp, cpu8, memory_overlap=1.0)
+    assert add.step_s - top.step_s == pytest.approx(min(add.parts["compute"], add.parts["memory"]
+                                                        + add.parts["fresh"]), rel=1e-6)
+    full = _predict(dp + " train.remat=full", cpu8)
+    assert full.parts["memory"] + full.parts["fresh"] < add.parts["memory"] + add.parts["fresh"]
+    assert full.parts["compute"] == pytest.approx(add.parts["compute"] * 4 / 3, rel=1e-6)
+    from jaxpar.planner.timing import link_time
+    kinds = {"all-reduce": {"links": {"intra": 0.0}, "ops": 3.0, "steps": 42.0}}
+    ring = cpu8.model_copy(update={"intra": cpu8.intra.model_copy(update={"collective": "ring"})})
+    assert link_time(cpu8, kinds) == pytest.approx(3 * cpu8.intra.latency_us * 1e-6)
+    assert link_time(ring, kinds) == pytest.approx(42 * cpu8.intra.latency_us * 1e-6)
+    # a GPU preset has no memory term and keeps its units to itself
+    a100 = load_cluster("a100_80gb_x8")
+    assert a100.memory_gbps is None and a100.fresh_gbps is None and not a100.shared_compute
+
+
 def test_calibrate_writes_a_loadable_description(tmp_path):
+    import os
     out = tmp_path / "here.yaml"
     assert main(["plan", "calibrate", "-o", str(out)]) == 0
     c = load_cluster(out)
     assert c.platform == "cpu" and c.devices == 8 and c.peak("float32") > 0 and c.intra.bandwidth_gbps > 0
+    # the shared-compute, memory and fixed-cost constants the time model uses
+    assert c.devices_per_unit == max(1, 8 // len(os.sched_getaffinity(0)))
+    assert c.memory_gbps > 0 and (c.fresh_gbps is None or c.fresh_gbps > 0)
+    assert c.intra.collective == "rendezvous" and c.intra.latency_us > 0
+    assert c.efficiency.tick_overhead_us >= 0 and c.efficiency.layer_overhead_us >= 0
+    assert c.efficiency.memory_overlap == 0.0

@@ -1,6 +1,11 @@
-"""`jaxpar plan calibrate [-o FILE]`: measure this machine into a cluster description: matmul
-throughput per dtype on one device, all-reduce bandwidth and latency over the local devices,
-memory per device (the accelerator's, or the host's RAM shared by forced CPU devices)."""
+"""`jaxpar plan calibrate [-o FILE]`: measure this machine into a cluster description: how many
+devices share a compute unit (one device's matmul throughput alone against all devices' at
+once; on a CPU the devices over its cores), a unit's matmul throughput per dtype and memory
+bandwidth (every device at once, over the units; on a CPU also the rate of first touches of
+fresh memory), all-reduce bandwidth and latency over the local devices, the fixed cost of a loop
+iteration (efficiency.layer_overhead_us) and of a pipeline tick (a switch and a send:
+efficiency.tick_overhead_us), memory per device (the accelerator's, or the host's RAM shared by
+forced CPU devices)."""
 from __future__ import annotations
 
 import os
@@ -25,10 +30,85 @@ def _best(fn, repeats: int = 5) -> float:
     return min(times)
 
 
-def matmul_tflops(dtype, n: int) -> float:
+def _everywhere(fn, per_device_shape, dtype=jnp.float32, out_specs=None):
+    """(jitted fn over every local device at once, its sharded input): each device runs `fn` on
+    its own block of `per_device_shape`."""
+    devs = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.array(devs), ("d",))
+    spec = P("d")
+    f = jax.jit(jax.shard_map(lambda x: fn(x[0])[None], mesh=mesh, in_specs=spec,
+                              out_specs=spec if out_specs is None else out_specs))
+    x = jax.device_put(jnp.ones((len(devs), *per_device_shape), dtype), NamedSharding(mesh, spec))
+    return f, x
+
+
+def matmul_tflops(dtype, n: int, everywhere: bool = False) -> float:
+    """Matmul TFLOP/s of one device alone, or (everywhere) of all local devices at once."""
+    if everywhere:
+        f, a = _everywhere(lambda x: x @ x, (n, n), dtype)
+        return jax.local_device_count() * 2 * n**3 / _best(lambda: f(a)) / 1e12
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
     return 2 * n**3 / _best(lambda: f(a)) / 1e12
+
+
+def devices_per_unit(single: float, together: float) -> int:
+    """Devices that share a compute unit: n devices at once reach `together`, one alone
+    `single`; on a CPU, the devices over the cores they may run on (one device's matmul can use
+    several cores, which hides the sharing from the throughputs)."""
+    n = jax.local_device_count()
+    if jax.devices()[0].platform == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, n // cores)
+    share = round(n * single / together) if together > 0 else 1
+    return max(d for d in range(1, n + 1) if n % d == 0 and d <= max(1, share))
+
+
+def memory_gbps(size_bytes: int) -> tuple[float, float | None]:
+    """(GB/s all devices move at once reading one array and writing it back in place, GB/s at
+    which they first touch a fresh output of the same size beyond that: None where it costs
+    nothing), in all. On a CPU a fresh output page-faults; a step's temporaries do so each call."""
+    def run(donate: bool):
+        f, x = _everywhere(lambda v: v * 1.5 + 1.0, (size_bytes // 4,))
+        if not donate:
+            return _best(lambda: f(x))
+        g = jax.jit(f, donate_argnums=0)
+        box = [g(x)]
+
+        def step():
+            box[0] = g(box[0])
+            return box[0]
+        return _best(step)
+    n = jax.local_device_count()
+    in_place, fresh = run(True), run(False)
+    touch = fresh - in_place
+    first_touch = n * size_bytes / touch / 1e9 if touch > 0.05 * in_place else None
+    return n * 2 * size_bytes / in_place / 1e9, first_touch
+
+
+def loop_overhead_us(iterations: int = 200) -> tuple[float, float]:
+    """(a loop iteration's, a pipeline tick's) fixed seconds in microseconds, all devices at
+    once: a scan over a tiny body; a scan whose body switches on the device's index and sends a
+    small buffer to the next device (the pipeline runner's per-tick work), less the bare scan."""
+    n = jax.local_device_count()
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def bare(x):
+        return jax.lax.scan(lambda c, _: (c * 0.5 + 1.0, None), x, None, length=iterations)[0]
+
+    def ticked(x):
+        def tick(c, _):
+            i = jax.lax.axis_index("d") % 2
+            c = jax.lax.switch(i, [lambda v: v * 0.5 + 1.0, lambda v: v * 0.25 + 2.0], c)
+            return jax.lax.ppermute(c, "d", perm), None
+        return jax.lax.scan(tick, x, None, length=iterations)[0]
+
+    shape = (256,)
+    fb, x = _everywhere(bare, shape)
+    ft, _ = _everywhere(ticked, shape)
+    loop = _best(lambda: fb(x)) / iterations
+    tick = max(_best(lambda: ft(x)) / iterations - loop, 0.0)
+    return loop * 1e6, tick * 1e6
 
 
 def allreduce(size_bytes: int) -> tuple[float, float]:
@@ -61,16 +141,37 @@ def memory_per_device() -> float:
 def calibrate() -> Cluster:
     platform = jax.devices()[0].platform
     n = 4096 if platform != "cpu" else 512
-    peaks = {name: round(matmul_tflops(dt, n), 4) for name, dt in
-             (("float32", jnp.float32), ("bfloat16", jnp.bfloat16))}
+    devices = jax.local_device_count()
+    single = matmul_tflops(jnp.float32, n)
+    together = matmul_tflops(jnp.float32, n, everywhere=True)
+    per_unit = devices_per_unit(single, together)
+    units = -(-devices // per_unit)
+    # a unit's throughput: all devices at once over the units (each alone, without sharing)
+    peaks = {"float32": together / units if per_unit > 1 else single}
+    peaks["bfloat16"] = (matmul_tflops(jnp.bfloat16, n, everywhere=True) / units if per_unit > 1
+                         else matmul_tflops(jnp.bfloat16, n))
+    peaks = {k: round(v, 4) for k, v in peaks.items()}
+    share = units if per_unit > 1 else devices
+    mem, fresh = memory_gbps(256 * 2**20 if platform != "cpu" else 16 * 2**20)
+    mem, fresh = mem / share, (fresh / share if fresh and platform == "cpu" else None)
+    loop_us, tick_us = loop_overhead_us()
     bw, lat = allreduce(64 * 2**20 if platform != "cpu" else 4 * 2**20) if jax.local_device_count() > 1 \
         else (1.0, 1e-5)
-    steps = 2 * max(1, jax.local_device_count() - 1)  # ring steps of one all-reduce
-    link = Link(bandwidth_gbps=round(bw, 3), latency_us=round(lat / steps * 1e6, 2))
+    if platform == "cpu":  # one process's devices: a collective is one rendezvous in shared memory
+        link = Link(bandwidth_gbps=round(bw, 3), latency_us=round(lat * 1e6, 2), collective="rendezvous")
+    else:
+        steps = 2 * max(1, jax.local_device_count() - 1)  # ring steps of one all-reduce
+        link = Link(bandwidth_gbps=round(bw, 3), latency_us=round(lat / steps * 1e6, 2))
     # measured peaks are achieved throughput already: the model's efficiencies start near 1
+    # fixed costs as one device's work: on shared units, all devices' loops queue on them
+    per_device = devices / units if per_unit > 1 else 1
     return Cluster(name=f"calibrated-{socket.gethostname()}", platform=platform,
-                   devices_per_host=jax.local_device_count(), hosts=jax.process_count(),
-                   memory_gib=round(memory_per_device(), 2), peak_tflops=peaks, intra=link,
-                   inter=link.model_copy(update={"bandwidth_gbps": link.bandwidth_gbps / 8}),
+                   devices_per_host=devices, hosts=jax.process_count(),
+                   memory_gib=round(memory_per_device(), 2), devices_per_unit=per_unit, peak_tflops=peaks,
+                   memory_gbps=round(mem, 3), fresh_gbps=fresh and round(fresh, 3), intra=link,
+                   inter=link.model_copy(update={"bandwidth_gbps": link.bandwidth_gbps / 8,
+                                                 "collective": "ring"}),
                    efficiency=Efficiency(matmul=0.9, comm=0.9, overlap=0.0, gather_overlap=0.0,
-                                         layer_overhead_us=200.0 if platform == "cpu" else 20.0))
+                                         layer_overhead_us=round(loop_us / per_device, 2),
+                                         tick_overhead_us=round(tick_us / per_device, 2),
+                                         memory_overlap=0.0 if platform == "cpu" else 1.0))

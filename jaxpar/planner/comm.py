@@ -182,7 +182,7 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
     p = layout.size("pipeline")
     if p > 1:
         before = sum(r["wire_bytes"] for r in out.values())
-        from jaxpar.planner.timing import timetable
+        from jaxpar.planner.layout import timetable
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
         tt = timetable(layout.schedule, p, micro, v, layout.recompute)
         # the runner permutes on the ticks on which some device receives (no sends when idle)

@@ -1,6 +1,7 @@
 """A candidate layout: mesh sizes and the step options the planner chooses, as config overrides."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -76,3 +77,10 @@ def abstract_plan(cfg: Config, layout: Layout) -> Plan:
     names = tuple(MESH_AXES)
     mesh = jax.sharding.AbstractMesh(tuple(layout.size(a) for a in names), names)
     return Plan(mesh, cfg.sharding.resolved_rules(), layout.zero_stage, cfg.sharding.replicated_tolerance)
+
+
+@functools.lru_cache(maxsize=4096)
+def timetable(schedule: str, p: int, m: int, v: int, recompute: bool):
+    """The pipeline runner's timetable of a layout (cached: the search asks for each often)."""
+    from jaxpar.parallel.pipeline.schedule import build_timetable
+    return build_timetable(schedule, p, m, v, recompute)

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import Config
-from jaxpar.planner.layout import Layout, abstract_plan
+from jaxpar.planner.layout import Layout, abstract_plan, timetable
 from jaxpar.sharding import Plan, entry_axes
 from jaxpar.train.precision import DTYPES, has_masters
 
@@ -218,7 +218,6 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     elif layout.size("pipeline") > 1:
         # A forward tick stashes its stage's vjp residuals for its backward: the timetable's
         # residual slots of one microbatch's stage activations each, plus the working set.
-        from jaxpar.planner.timing import timetable
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
         slots = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, False).n_r_slots
         stage = tokens * layers / v * (kept if layout.remat != "none" else full)
@@ -231,3 +230,57 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     out["logits"] = loss_tokens * ms.vocab / tp * 4 * LOGIT_COPIES
     out["batch"] = t.global_batch / batch_div * (t.seq_len + 1) * 4
     return out
+
+
+def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: int = 0) -> float:
+    """Bytes a device moves to and from memory per step that no cache holds (`state`: this
+    layout's state_terms; `ticks`: the pipeline runner's):
+      stash     what a microbatch's forward keeps for its backward (KEPT by remat; a pipeline
+                stage's vjp residuals, or with pipeline.recompute its input and the stage
+                recomputed in the backward tick) and the float32 logits: written, read back;
+                a remat's recomputed layer is one layer's worth, live only inside the layer
+      weights   read by the forward and the backward of each microbatch (ZeRO-3: each layer's
+                gathered whole, written by the gather and read)
+      grads     written per microbatch (accumulated in place)
+      optimizer the optimizer shard's params, gradient and Adam state read, params and state
+                written, per step (ZeRO-1/2: and the all-gathered params)
+      ticks     every tick of the pipeline runner's switch returns a stage's residuals (a
+                forward's, or the zeros of the other branches), filed into the ring buffer, the
+                stage's float32 gradient accumulators and its activation / cotangent buffers,
+                idle or not
+    Why: a small model's step on a CPU is bound by this traffic as much as by its FLOPs
+    (remat `full` runs faster than none there), and it is the roofline's other axis on a GPU."""
+    t = cfg.train
+    c = itemsize(t.compute_dtype)
+    ms = ModelShape.of(cfg.model)
+    batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
+    seqs = t.global_batch / batch_div / layout.micro
+    tokens = seqs * t.seq_len / layout.size("context")
+    tp, p = layout.size("tensor"), layout.size("pipeline")
+    cp = layout.size("context")
+    xla = attention_impl(cfg) == "xla" and not (cp > 1 and cfg.context.strategy == "ring")
+    sp = cfg.sharding.sequence_parallel
+    layers = ms.layers / p
+    kept = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp)
+    if p > 1 and layout.recompute:
+        full = per_token_layer_bytes(ms, "none", c, tp, t.seq_len, xla, sp)
+        stash = tokens * (ms.dim * c + layers * (full if layout.remat == "none" else kept))
+        residuals = 0.0
+    else:
+        stash = tokens * layers * kept
+        residuals = stash
+    loss_tokens = min(tokens, t.loss_chunk * seqs) if t.loss_chunk else tokens
+    stash += loss_tokens * ms.vocab / tp * 4
+    if layout.zero_stage >= 3:  # each layer's weights gathered whole (written) for each pass
+        weights = 2 * state["params"] * layout.size("fsdp")
+    else:
+        weights = state["params"]
+    per_micro = 2 * stash + 2 * weights + state["grads"]
+    # the update runs on the optimizer's shard: its params, float32 gradient and Adam state, read
+    # and written (ZeRO-1/2 then write the all-gathered params)
+    shard = state["update"] / (4 * ADAM_TRANSIENT)
+    optimizer = 2 * state["opt_state"] + shard * (2 * itemsize(t.param_dtype) + 4) + state["update"]
+    if layout.zero_stage in (1, 2):
+        optimizer += state["gathered"]
+    per_tick = 2 * residuals + state["grads"] + 2 * tokens * ms.dim * c if p > 1 else 0.0
+    return layout.micro * per_micro + optimizer + ticks * per_tick

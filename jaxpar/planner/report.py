@@ -26,7 +26,8 @@ def to_json(result: Result, top: int, explain: bool = False) -> dict:
 
 
 def explain_terms(s: Scored) -> dict:
-    return {"time_s": s.terms(), "memory_bytes": {k: v for k, v in s.memory.items()},
+    return {"time_s": s.terms(), "step_parts_s": s.time.parts, "shared_units": s.time.shared,
+            "memory_bytes": {k: v for k, v in s.memory.items()},
             "collectives": {k: {"result_bytes": r["result_bytes"], "wire_bytes": r["wire_bytes"],
                                 "links": r["links"]} for k, r in s.comm["kinds"].items()}}
 
@@ -61,6 +62,9 @@ def format_explain(s: Scored) -> str:
     for k, v in s.terms().items():
         lines.append(f"    {k:22s} {v * 1e3:12.3f} ms")
     lines.append(f"    {'step':22s} {s.time.step_s * 1e3:12.3f} ms")
+    if s.time.shared:  # the terms above are one device's; the step is every device's work
+        lines.append("  bound by all devices' work on the shared compute units: " + ", ".join(
+            f"{k} {v * 1e3:.3f} ms" for k, v in s.time.parts.items()))
     lines.append("  memory per device:")
     for k, v in s.memory.items():
         lines.append(f"    {k:22s} {v / GIB:12.4f} GiB")

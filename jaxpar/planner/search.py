@@ -38,9 +38,11 @@ class Scored:
     time: StepTime
 
     def terms(self) -> dict[str, float]:
-        """Seconds per step by term: compute, exposed collectives by purpose, bubble."""
-        return {"compute": self.time.compute_s, **{f"comm:{k}": v for k, v in self.time.comm_s.items()},
-                "bubble": self.time.bubble_s}
+        """Seconds per step by term: compute, memory traffic, fixed overheads, exposed
+        collectives by purpose, bubble."""
+        t = self.time
+        return {"compute": t.compute_s, "memory": t.memory_s, "overhead": t.overhead_s,
+                **{f"comm:{k}": v for k, v in t.comm_s.items()}, "bubble": t.bubble_s}
 
 
 @dataclass
@@ -183,7 +185,8 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
                     []).append(layout)
                 continue
             comm = step_collectives(cfg, layout, model, abstract_plan(cfg, layout), sync_cache)
-            result.ranked.append(Scored(layout, mem, comm, step_time(cfg, layout, model, cluster, comm)))
+            result.ranked.append(Scored(layout, mem, comm, step_time(cfg, layout, model, cluster, comm,
+                                                                   state_cache[key])))
     result.ranked.sort(key=lambda s: (s.time.step_s, s.memory["total"]))
     return result
 

@@ -1,26 +1,39 @@
-"""Step time of a layout on a cluster: compute + exposed communication + pipeline bubble.
+"""Step time of a layout on a cluster: compute and memory traffic + exposed communication +
+fixed costs + pipeline bubble; on compute units shared by several devices, all devices' work.
 
   compute   model FLOPs per device (6N + attention, PaLM's count; MoE: the active params) times
             the recompute factor (remat full: a second forward, 4/3; dots_saveable: 1.05)
             / (peak FLOP/s of the compute dtype x efficiency.matmul)
-  comm      per collective: wire bytes / (link bandwidth x efficiency.comm) + ring steps x
-            latency, on the intra- or inter-host link by the layout's dcn split; gradient sync
-            hidden by efficiency.overlap, ZeRO-3 gathers by efficiency.gather_overlap; tensor,
-            pipeline, expert and context (ring / all-to-all) collectives sit on the critical path
-  overhead  efficiency.layer_overhead_us per layer and microbatch (launches, loop steps)
+  memory    bytes a device moves per step that no cache holds (memory.step_traffic: each
+            microbatch's stash and logits written and read back, weights, gradients, the
+            optimizer's pass, a pipeline tick's buffers) / memory_gbps; on a CPU also the
+            step's fresh temporaries (activations, working set, logits) / fresh_gbps (first
+            touches: page faults). Against compute by a roofline: efficiency.memory_overlap 1
+            takes the longer, 0 adds both (XLA:CPU: why remat `full` beats none there)
+  comm      per collective: wire bytes / (link bandwidth x efficiency.comm) + latency per ring
+            step (or per op: a `rendezvous` link), on the intra- or inter-host link by the
+            layout's dcn split; gradient sync hidden by efficiency.overlap, ZeRO-3 gathers by
+            efficiency.gather_overlap; tensor, pipeline, expert and context (ring /
+            all-to-all) collectives sit on the critical path
+  fixed     efficiency.layer_overhead_us per layer and microbatch (launches, loop steps),
+            tick_overhead_us per pipeline tick (every device runs every tick)
   bubble    a pipeline's timetable (jaxpar/parallel/pipeline/schedule.py) in lockstep: its ticks
             over the stage work 3m (idle ticks, the last stage's forward folded into its
             backward, pipeline.recompute's second forward), as a stretch of the critical path
+  shared    with devices_per_unit > 1 (8 forced CPU devices on 2 cores) the step lasts at least
+            the work of every device (compute, memory, fixed; pipeline.recompute's forward
+            again) over the units, plus the collectives: replicated work counts once per
+            device, a device's idle tick is another's compute
 MFU = model FLOPs (no recompute) per step / (step time x devices x peak).
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxpar.metrics import llama_flops_per_token
 from jaxpar.planner.cluster import Cluster
-from jaxpar.planner.layout import Layout
+from jaxpar.planner.layout import Layout, timetable
+from jaxpar.planner.memory import activation_terms, state_terms, step_traffic
 
 RECOMPUTE = {"none": 1.0, "dots_saveable": 1.05, "dots_with_no_batch_dims_saveable": 1.05, "full": 4 / 3}
 
@@ -40,12 +53,6 @@ def recompute_factor(layout: Layout) -> float:
     return RECOMPUTE[layout.remat]
 
 
-@functools.lru_cache(maxsize=4096)
-def timetable(schedule: str, p: int, m: int, v: int, recompute: bool):
-    from jaxpar.parallel.pipeline.schedule import build_timetable
-    return build_timetable(schedule, p, m, v, recompute)
-
-
 def pipeline_stretch(layout: Layout, microbatches: int) -> float:
     """The pipeline runner's lockstep time (its timetable: bubble, the last stage's forward
     folded into its backward, recompute) over the stage work without them, 3m (forward 1,
@@ -58,6 +65,23 @@ def pipeline_stretch(layout: Layout, microbatches: int) -> float:
     return tt.lockstep_time(1.0, 2.0) / (3.0 * microbatches)
 
 
+def pipeline_ticks(layout: Layout, microbatches: int) -> int:
+    """Ticks of the pipeline runner's scan (0 without a pipeline): each costs every device the
+    runner's fixed work (efficiency.tick_overhead_us), whether it computes or idles."""
+    if layout.size("pipeline") == 1:
+        return 0
+    v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
+    return timetable(layout.schedule, layout.size("pipeline"), microbatches, v, layout.recompute).ticks
+
+
+def roofline(compute: float, memory: float, overlap: float) -> tuple[float, float]:
+    """(compute, memory) seconds as they add to the step: the longer whole, the shorter less the
+    part hidden behind it (overlap 1: the roofline's max; 0: both add up)."""
+    if compute >= memory:
+        return compute, (1 - overlap) * memory
+    return (1 - overlap) * compute, memory
+
+
 @dataclass(frozen=True)
 class StepTime:
     compute_s: float
@@ -67,43 +91,86 @@ class StepTime:
     tokens_per_s: float
     mfu: float
     model_flops_per_step: float
+    memory_s: float = 0.0          # memory traffic not hidden behind compute (a device's)
+    overhead_s: float = 0.0        # per-layer and per-tick fixed costs (a device's)
+    shared: bool = False           # the step is bound by all devices' work on shared compute units
+    # seconds of step_s by the constant that scales them: compute (1 / efficiency.matmul),
+    # memory (1 / memory_gbps), fresh (1 / fresh_gbps), comm (1 / efficiency.comm and the links'
+    # latency), fixed (the *_overhead_us); what `jaxpar plan fit` fits
+    parts: dict[str, float] = field(default_factory=dict)
 
 
 def link_time(cluster: Cluster, kinds: dict) -> float:
-    """Seconds the given collectives take on the cluster's links (wire bytes and ring steps)."""
+    """Seconds the given collectives take on the cluster's links (wire bytes, and ring steps or
+    ops by the slowest link's latency)."""
     total = 0.0
     eff = cluster.efficiency.comm
     for row in kinds.values():
         for lk, wire in row["links"].items():
             total += wire / (getattr(cluster, lk).bandwidth_gbps * 1e9 * eff)
-        lat = max(getattr(cluster, lk).latency_us for lk in row["links"]) if row["links"] else 0.0
-        total += row["steps"] * lat * 1e-6
+        if row["links"]:
+            link = max((getattr(cluster, lk) for lk in row["links"]), key=lambda x: x.latency_us)
+            waits = row["ops"] if link.collective == "rendezvous" else row["steps"]
+            total += waits * link.latency_us * 1e-6
     return total
 
 
-def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict) -> StepTime:
+def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
+              state: dict[str, float] | None = None) -> StepTime:
+    """The step's seconds on `cluster` (module doc); `state`: this layout's memory.state_terms
+    when already known (the search caches them)."""
     t = cfg.train
     tokens = t.global_batch * t.seq_len
     per_token = model_flops_per_token(cfg, model)
     model_flops = per_token * tokens
     devices = layout.devices
     peak = cluster.peak(t.compute_dtype)
-    compute = model_flops * recompute_factor(layout) / devices / (peak * cluster.efficiency.matmul)
+    eff = cluster.efficiency
+    compute = model_flops * recompute_factor(layout) / devices / (peak * eff.matmul)
+    memory = 0.0
+    if cluster.memory_gbps:
+        state = state if state is not None else state_terms(cfg, layout, model)
+        ticks = pipeline_ticks(layout, layout.micro)
+        memory = step_traffic(cfg, layout, state, ticks) / (cluster.memory_gbps * 1e9)
+    fresh = 0.0
+    if cluster.fresh_gbps:
+        act = activation_terms(cfg, layout)
+        fresh = (act["activations"] + act["working"] + act["logits"]) / (cluster.fresh_gbps * 1e9)
+    part_c, part_m = roofline(compute, memory + fresh, eff.memory_overlap)
+    part_f = part_m * fresh / (memory + fresh) if fresh else 0.0  # fresh's share, for the fit
     by_purpose = comm["purpose"]
     total_wire = sum(by_purpose.values()) or 1.0
     whole = link_time(cluster, comm["kinds"])
     share = {k: whole * v / total_wire for k, v in by_purpose.items()}  # time split like the bytes
-    eff = cluster.efficiency
     exposed = {"grad_sync": share["grad_sync"] * (1 - eff.overlap),
                "zero3_gather": max(0.0, share["zero3_gather"] - eff.gather_overlap * compute),
                "tensor": share["tensor"], "pipeline": share["pipeline"], "expert": share["expert"],
                "context": share["context"]}
     micro = layout.micro
-    overhead = micro * cfg.model.n_layers / layout.size("pipeline") * eff.layer_overhead_us * 1e-6
-    critical = (compute + overhead + exposed["tensor"] + exposed["pipeline"] + exposed["expert"]
-                + exposed["context"] + exposed["zero3_gather"])
-    bubble = (pipeline_stretch(layout, micro) - 1.0) * critical
-    step = critical + bubble + exposed["grad_sync"]
-    return StepTime(compute + overhead, exposed, bubble, step, tokens / step,
-                    model_flops / (step * devices * peak),
-                    model_flops)
+    layer_fixed = micro * cfg.model.n_layers / layout.size("pipeline") * eff.layer_overhead_us * 1e-6
+    tick_fixed = pipeline_ticks(layout, micro) * eff.tick_overhead_us * 1e-6
+    on_path = (exposed["tensor"] + exposed["pipeline"] + exposed["expert"] + exposed["context"]
+               + exposed["zero3_gather"])
+    # one device's critical path, stretched by the pipeline's lockstep timetable
+    stretch = pipeline_stretch(layout, micro)
+    critical = part_c + part_m + layer_fixed + on_path
+    bubble = (stretch - 1.0) * critical
+    step = critical + bubble + tick_fixed + exposed["grad_sync"]
+    parts = {"compute": part_c * stretch, "memory": (part_m - part_f) * stretch, "fresh": part_f * stretch,
+             "comm": on_path * stretch + exposed["grad_sync"], "fixed": layer_fixed * stretch + tick_fixed}
+    shared = False
+    if cluster.shared_compute:
+        # every device's work queues for the shared units: replicated work counts once per
+        # device, idle ticks cost nothing, pipeline.recompute's second forward does (+1/3 of
+        # the compute; its bytes are in step_traffic)
+        per_unit = devices / cluster.compute_units
+        again = 4 / 3 if layout.size("pipeline") > 1 and layout.recompute else 1.0
+        work = part_c * again + part_m + layer_fixed + tick_fixed
+        busy = per_unit * work + on_path + exposed["grad_sync"]
+        if busy > step:
+            step, shared, bubble = busy, True, 0.0
+            parts = {"compute": per_unit * again * part_c, "memory": per_unit * (part_m - part_f),
+                     "fresh": per_unit * part_f, "comm": on_path + exposed["grad_sync"],
+                     "fixed": per_unit * (layer_fixed + tick_fixed)}
+    return StepTime(part_c, exposed, bubble, step, tokens / step, model_flops / (step * devices * peak),
+                    model_flops, part_m, layer_fixed + tick_fixed, shared, parts)
