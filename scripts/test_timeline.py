@@ -1,38 +1,39 @@
-"""How busy the test workers were over a run: `JAXPAR_TEST_TIMELINE=/tmp/tl make test`, then
-`python scripts/test_timeline.py /tmp/tl [--write tests/durations.json]`. Prints the busy workers
-per minute, when each worker's last test ended and the heaviest modules; --write records each
-test's seconds, which tests/conftest.py uses to hand out the heaviest work first."""
-import json
+"""How busy the test workers were over a run and what cost CPU: `JAXPAR_TEST_TIMELINE=/tmp/tl make
+test`, then `python scripts/test_timeline.py /tmp/tl`. Prints the busy workers per minute, when
+each worker's last test ended, and the modules and tests that took the most CPU seconds (the
+worker's threads plus the child processes it waited for: on 2 cores the run's length follows the
+total CPU, not any one test's wall time)."""
 import sys
 from collections import defaultdict
 
 
-def main(path: str, write: str | None = None) -> None:
+def main(path: str) -> None:
     rows = []
     for line in open(path):
-        worker, start, end, nodeid = line.rstrip("\n").split("\t", 3)
-        rows.append((worker, float(start), float(end), nodeid))
+        worker, start, end, cpu, nodeid = line.rstrip("\n").split("\t", 4)
+        rows.append((worker, float(start), float(end), float(cpu), nodeid.partition("@")[0]))
     t0, t1 = min(r[1] for r in rows), max(r[2] for r in rows)
     workers = sorted({r[0] for r in rows})
-    print(f"{len(rows)} tests, {len(workers)} workers, {t1 - t0:.0f} s")
+    total_cpu = sum(r[3] for r in rows)
+    print(f"{len(rows)} tests, {len(workers)} workers, {t1 - t0:.0f} s wall, {total_cpu:.0f} CPU s "
+          f"recorded (daemons a test leaves running, e.g. a Ray cluster's, are not)")
     for m in range(int((t1 - t0) // 60) + 1):
         a, b = t0 + 60 * m, t0 + 60 * (m + 1)
-        busy = sum(max(0.0, min(b, e) - max(a, s)) for _, s, e, _ in rows) / 60
+        busy = sum(max(0.0, min(b, e) - max(a, s)) for _, s, e, _, _ in rows) / 60
         print(f"  minute {m:3d}: {busy:4.2f} workers busy")
-    last = {w: max(e for x, _, e, _ in rows if x == w) for w in workers}
+    last = {w: max(r[2] for r in rows if r[0] == w) for w in workers}
     print("each worker's last test ended at: " + ", ".join(f"{w} {last[w] - t0:.0f} s" for w in workers))
-    per_module = defaultdict(float)
-    for _, s, e, nodeid in rows:
-        per_module[nodeid.split("::")[0]] += e - s
-    for mod, sec in sorted(per_module.items(), key=lambda kv: -kv[1])[:15]:
-        print(f"  {sec:7.1f} s  {mod}")
-    if write:
-        seconds = {nodeid.partition("@")[0]: round(e - s, 1) for _, s, e, nodeid in rows}
-        with open(write, "w") as f:
-            json.dump(dict(sorted(seconds.items())), f, indent=0)
-            f.write("\n")
+    per_module: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for _, s, e, cpu, nodeid in rows:
+        per_module[nodeid.split("::")[0]][0] += cpu
+        per_module[nodeid.split("::")[0]][1] += e - s
+    print("modules by CPU seconds (wall seconds beside):")
+    for mod, (cpu, wall) in sorted(per_module.items(), key=lambda kv: -kv[1][0])[:20]:
+        print(f"  {cpu:7.1f} CPU s {wall:7.1f} s  {mod}")
+    print("tests by CPU seconds:")
+    for _, s, e, cpu, nodeid in sorted(rows, key=lambda r: -r[3])[:25]:
+        print(f"  {cpu:7.1f} CPU s {e - s:7.1f} s  {nodeid}")
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(args[0], args[args.index("--write") + 1] if "--write" in args else None)
+    main(sys.argv[1])

@@ -79,37 +79,26 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(
                 f"--dist loadgroup is not grouping {item.nodeid}: this pytest-xdist does not work with "
                 f"pytest {pytest.__version__} (pyproject.toml pins the versions that do)")
-    items[:] = heaviest_first(items)
-
-
-def heaviest_first(items: list) -> list:
-    """The tests in the order the workers should take them: the costliest unit of work first
-    (an xdist group is one unit: it runs on one worker), by the seconds tests/durations.json
-    recorded (scripts/test_timeline.py writes it; a test it does not know counts 2 s). xdist hands
-    out the units in collection order (`make test` turns its own reordering off), so the run
-    does not end with one worker finishing a long group while the others idle."""
-    import json
-    from pathlib import Path
-    known = json.loads((Path(__file__).parent / "durations.json").read_text())
-    unit_of = lambda item: item.nodeid.partition("@")[2] or item.nodeid
-    cost: dict[str, float] = {}
-    for item in items:
-        u = unit_of(item)
-        cost[u] = cost.get(u, 0.0) + known.get(item.nodeid.partition("@")[0], 2.0)
-    first = {u: i for i, u in reversed(list(enumerate(map(unit_of, items))))}
-    return sorted(items, key=lambda item: (-cost[unit_of(item)], first[unit_of(item)]))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """JAXPAR_TEST_TIMELINE=FILE: each test's worker, start and end (setup and teardown included)
-    appended to FILE, to see how busy the workers are over a run (scripts/test_timeline.py)."""
+    """JAXPAR_TEST_TIMELINE=FILE: each test's worker, start, end (setup and teardown included) and
+    CPU seconds (the worker's threads and the child processes it waited for) appended to FILE, to
+    see how busy the workers are and what costs CPU, which on 2 cores is what the run's length
+    follows (scripts/test_timeline.py)."""
     path = os.environ.get("JAXPAR_TEST_TIMELINE")
     if not path:
         yield
         return
+    import resource
     import time
-    t0 = time.time()
+
+    def cpu() -> float:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return time.process_time() + kids.ru_utime + kids.ru_stime
+    t0, c0 = time.time(), cpu()
     yield
     with open(path, "a") as f:
-        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'gw0')}\t{t0:.3f}\t{time.time():.3f}\t{item.nodeid}\n")
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'gw0')}\t{t0:.3f}\t{time.time():.3f}\t"
+                f"{cpu() - c0:.2f}\t{item.nodeid}\n")
