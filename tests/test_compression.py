@@ -301,6 +301,61 @@ def test_zero1_compressed_reduction_ends_at_the_optimizer_shard(devices):
     assert "data+fsdp_scattered: int8 over data+fsdp" in t1.spec.sync.describe()
 
 
+# bf16 reduced per layer inside the backward layer scan (a method without state: reducer.py):
+# data 8; ZeRO-1 data 2 x fsdp 4 (the scattered layout: each layer's shard kept); ZeRO-2 with
+# accumulation (each microbatch reduce-scattered over fsdp in the backward, the last one's adding
+# the others' sum and sending bf16 over data)
+IN_SCAN = {
+    "dp8": ["mesh.data=8", "sharding.zero_stage=0"],
+    "dp2-fsdp4-zero1": ZERO1,
+    "dp2-fsdp4-zero2-accum2": ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=2", "train.grad_accum=2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(IN_SCAN))
+def test_bf16_reduces_each_layer_inside_the_backward(layout, devices):
+    """The stacked layers' bf16 payload (uint16 bits, all-to-all then all-gather) runs inside
+    the backward loop, once per layer: its bytes there are the stack's, 2 per element (plus
+    padding to the group), and after the loops only the embeddings', head's and final norm's;
+    what the optimizer receives equals one device's gradient within bf16 rounding, on step 1
+    and on step 2 after an AdamW step."""
+    from jaxpar.metrics import loop_collectives
+    from jaxpar.parallel.sync import flat_paths
+    from jaxpar.sharding import entry_axes
+    from tests.grad_util import grad_trainer, to_numpy
+    from tests.test_layout_grads import reference, relative_errors
+    t, step = grad_trainer(tiny_config(*IN_SCAN[layout], "gradient_compression.method=bf16"), devices)
+    sync = t.spec.sync
+    assert sync.in_scan and "per layer in the backward scan: bf16 over" in sync.describe()
+    state, got = t.init_state(), []
+    for i in range(2):
+        tokens = t.loader.batch(i)
+        if i == 0:
+            text = step.lower(state, tokens).compile().as_text()
+        state, metrics = step(state, tokens)
+        got.append(to_numpy(metrics))
+    for k, (g, r) in enumerate(zip(got, reference(["mesh.data=1"], devices)), start=1):
+        leaf_err, norm_err = relative_errors(g, r)
+        assert 1e-6 < leaf_err < 1e-2 and norm_err < 1e-2, (k, leaf_err, norm_err)  # bf16, not float32
+    nbytes = loop_collectives(text, "bytes")
+    shapes = flat_paths(t.model.shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    grad, final = flat_paths(t.spec.grad_specs), flat_paths(sync.final_specs)
+    bf16_bytes = lambda p, spec: 2 * math.prod(shapes[p].shape) // (4 if any("fsdp" in entry_axes(e)
+                                                                            for e in spec[p]) else 1)
+    stacked = sum(bf16_bytes(p, grad) for p in sync.in_scan)  # sent (ZeRO-2: the fsdp shard)
+    top = sum(2 * math.prod(s.shape) for p, s in shapes.items() if p not in sync.in_scan)
+    # with accumulation the last microbatch's reduction is a branch of a cond in the microbatch
+    # loop, which a static count takes as run every trip (tests/test_overlap.py)
+    m = t.cfg.train.grad_accum
+    pad = 2 * t.cfg.model.n_layers * len(sync.in_scan) * N  # at most a few elements per layer slice
+    a2a_in, a2a_out = nbytes["inside"]["all-to-all"] / m, nbytes["outside"]["all-to-all"]
+    assert stacked <= a2a_in <= stacked + pad, (a2a_in, stacked, nbytes)
+    assert a2a_out <= top + pad, (a2a_out, top, nbytes)
+    # the all-gather of the sums: what the optimizer receives (ZeRO-1: the fsdp gather skipped)
+    gather = sum(bf16_bytes(p, final) for p in sync.in_scan)
+    assert gather <= nbytes["inside"]["all-gather"] / m <= gather + pad, (gather, nbytes)
+
+
 def test_sharded_layouts_compress_their_reductions(devices):
     """ZeRO-3 over fsdp=4 x data=2: fsdp-scattered gradients are compressed over `data`, the
     norm scales (not scattered) over data+fsdp; PowerSGD keeps state only for matrices."""
@@ -369,7 +424,8 @@ def test_a_compressor_is_one_class_and_one_registry_line(float8_registered, devi
     from tests.grad_util import first_step_grads
     cfg = tiny_config("mesh.data=8", "sharding.zero_stage=0", "gradient_compression.method=float8_test")
     t = Trainer(cfg, devices=devices, log=lambda s: None)
-    assert t.spec.sync.describe() == "data: float8_test over data"
+    assert t.spec.sync.describe() == ("data: float8_test over data; "  # no state: each layer in the scan
+                                      "data per layer in the backward scan: float8_test over data")
     kinds = {(op.kind, op.dtype) for op in collective_ops(t.compile().as_text())}
     assert {("all-to-all", "u8"), ("all-gather", "u8")} <= kinds
     ref, _ = first_step_grads(tiny_config("mesh.data=1"), devices[:1])

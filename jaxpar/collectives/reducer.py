@@ -18,6 +18,8 @@ each device's fsdp shard is what the reduction leaves on it when the last all-ga
 live in the train state as state["comm"][bucket][name], one row per batch device (leading axis
 over the batch axes, sharded that way), so they are checkpointed and resumed with the rest.
 PowerSGD works per matrix instead of per bucket; non-matrix gradients are psum'd in float32.
+A method with no state (Compressor.per_slice) reduces each layer's slice of each stacked leaf as
+a bucket of its own, inside the backward layer scan (see GradientReducer).
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ from jaxpar.collectives.base import Compressor, Group, unchecked
 from jaxpar.collectives.methods import make_compressor
 from jaxpar.collectives.powersgd import PowerSGD, init_q, matrix_split
 from jaxpar.config import ConfigError
-from jaxpar.parallel.data import reduce_scatter, scatter_microbatch_grads
-from jaxpar.parallel.sync import GradientSync, is_spec
+from jaxpar.parallel.data import layer_spec, reduce_scatter, scatter_microbatch_grads, sharded_dims
+from jaxpar.parallel.sync import GradientSync, flat_paths, is_spec, key_path
 from jaxpar.sharding import ZERO_AXIS, entry_axes, vary, varying_axes
 
 
@@ -51,6 +53,7 @@ class Bucket:
     scattered: bool = False               # ZeRO-1: each device keeps its fsdp shard of the sum
     levels: tuple[int, ...] = ()          # scattered: the sizes the reduction splits the bucket into
     fsdp_level: int = 0                   # scattered: which of `levels` is fsdp
+    layer: bool = False                   # one layer's slice of one stacked leaf (layers dim dropped)
 
     @property
     def checkable(self) -> bool:
@@ -91,15 +94,21 @@ class GradientReducer(GradientSync):
     """The compressed gradient sync (jaxpar/parallel/sync.py), built once per step from the
     config, the plan and the model's gradient specs.
 
-    It reduces after the backward scan (no `in_scan` leaves), every method alike. Error feedback
-    (int8, onebit, topk) keeps residuals per bucket of the whole step's gradient in
-    state["comm"], and PowerSGD keeps Q per matrix across steps: a layer's slice has no residual
-    of its own to add back inside the scan. bf16 / fp16 carry no state and could reduce per
-    layer in the scan, but buckets span layers and leaves (one all-to-all per bucket), so that
-    needs per-layer buckets: not built yet. The uncompressed reduction in bf16
-    (train.grad_reduce_dtype=bfloat16, parallel/data.AllReduce) does reduce in the scan."""
+    A method that keeps no state across steps (`Compressor.per_slice`: bf16, fp16, and int8 /
+    onebit / topk with error_feedback: false) reduces the stacked layer params (`layered`, as
+    make_sync picks them for AllReduce) inside the backward layer scan, like AllReduce: each
+    layer's slice of each leaf is its own bucket (`layer_buckets`), compressed, reduced (its
+    ZeRO-1 shard kept) and decompressed as soon as the layer's backward produces it
+    (scatter_layer / finish_layer; jaxpar/train/layer_grads.py); the rest (embeddings, norm,
+    head) in buckets after the scan. The others reduce everything after the scan: error
+    feedback (int8, onebit, topk by default) keeps residuals per bucket of the whole step's
+    gradient in state["comm"], PowerSGD keeps Q per matrix across steps, and a layer's slice in
+    the scan has no state of its own to read and write back (the tap's backward can only hand
+    out gradients). gradient_compression.warmup_steps also keeps the method after the scan: the
+    float32-or-compressed choice reads the step, which the backward does not see."""
 
-    def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None, wire_dtype=None):
+    def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None, wire_dtype=None,
+                 layered: frozenset[tuple] = frozenset()):
         sizes = plan.mesh.shape
         if sizes.get("pipeline", 1) > 1:
             raise ConfigError("gradient compression (and 1-bit Adam) with mesh.pipeline > 1 is not supported "
@@ -129,12 +138,21 @@ class GradientReducer(GradientSync):
             self.zero1.append(self._zero1_dim(entries, opt, local))
         final = [o if d is not None else s for s, o, d in zip(specs, opt_specs, self.zero1)]
         self.set_final_specs(jax.tree.unflatten(self.treedef, final))
+        self._grad_out, self._final_out = flat_paths(self.grad_out), flat_paths(self.final_out)
+        keys = [key_path(path) for path, _ in flat]
+        if self.comp.per_slice and not cfg.warmup_steps:
+            # the layers dim must be whole on each device for a layer's slice to be reduced alone
+            whole = lambda spec: not sharded_dims(P(*spec[:1]), self.manual)
+            self.in_scan = frozenset(k for k, r in zip(keys, rests) if k in layered and r
+                                     and whole(self._grad_out[k]) and whole(self._final_out[k]))
+        self.layer_buckets = {k: self._bucket(rests[i], [i], self.zero1[i] is not None, layer=True)
+                              for i, k in enumerate(keys) if k in self.in_scan}
+        after = [i for i, k in enumerate(keys) if k not in self.in_scan]
         self.buckets: list[Bucket] = []
-        for rest, scattered in sorted(set(zip(rests, [d is not None for d in self.zero1]))):
+        for rest, scattered in sorted({(rests[i], self.zero1[i] is not None) for i in after}):
             if not rest:
                 continue
-            leaves = [i for i, r in enumerate(rests)
-                      if r == rest and (self.zero1[i] is not None) == scattered]
+            leaves = [i for i in after if rests[i] == rest and (self.zero1[i] is not None) == scattered]
             self.buckets.append(self._bucket(rest, leaves, scattered))
 
     def _zero1_dim(self, entries, opt: P, local: tuple[int, ...]) -> int | None:
@@ -180,10 +198,19 @@ class GradientReducer(GradientSync):
         outer = [Group(other, math.prod(sizes[a] for a in other))] if other else []
         return Group(want, math.prod(sizes[a] for a in want)), outer
 
-    def _bucket(self, rest, leaves, scattered: bool = False) -> Bucket:
+    def _shape(self, b: Bucket, i: int) -> tuple[int, ...]:
+        """Leaf i's local shape in bucket b (a layer bucket: one layer's)."""
+        return self.local_shapes[i][1:] if b.layer else self.local_shapes[i]
+
+    def _dim(self, b: Bucket, i: int) -> int | None:
+        """The dim leaf i is scattered on at ZeRO-1 in bucket b (a layer bucket: one layer's)."""
+        d = self.zero1[i]
+        return None if d is None else d - b.layer
+
+    def _bucket(self, rest, leaves, scattered: bool = False, layer: bool = False) -> Bucket:
         comp, outer = self._groups(rest)
         b = Bucket("+".join(rest) + ("_scattered" if scattered else ""), rest, leaves, comp, outer,
-                   scattered=scattered)
+                   scattered=scattered, layer=layer)
         if comp is None:
             return b
         if isinstance(self.comp, PowerSGD):
@@ -197,7 +224,7 @@ class GradientReducer(GradientSync):
                 if self.comp.worth_it(m, n):
                     b.matrices[i] = (math.prod(batch), m, n)
             return b
-        b.length = sum(math.prod(self.local_shapes[i]) for i in leaves)
+        b.length = sum(math.prod(self._shape(b, i)) for i in leaves)
         if scattered:
             return self._scattered_layout(b)
         mult = math.prod(g.size for g in outer) * comp.size * self.comp.multiple
@@ -285,12 +312,11 @@ class GradientReducer(GradientSync):
         leaves = self.treedef.flatten_up_to(grads)
         for b in self.buckets:
             for i in b.leaves:
-                leaves[i] = self._psum(leaves[i], i, b.rest)
+                leaves[i] = self._psum(leaves[i], self.zero1[i], b.rest)
         return jax.tree.unflatten(self.treedef, leaves), comm
 
-    def _psum(self, g, i: int, rest: tuple[str, ...]):
-        """Leaf i summed over `rest` in float32; a ZeRO-1 leaf reduce-scattered to its shard."""
-        d = self.zero1[i]
+    def _psum(self, g, d: int | None, rest: tuple[str, ...]):
+        """g summed over `rest` in float32; reduce-scattered to its shard on dim d (ZeRO-1)."""
         if d is None:
             return jax.lax.psum(g, rest)
         g = reduce_scatter(g, (ZERO_AXIS,), d)
@@ -311,26 +337,40 @@ class GradientReducer(GradientSync):
         out = list(leaves)
         new_comm = {}
         for b in self.buckets:
-            if b.compressed is None:
-                for i in b.leaves:
-                    out[i] = self._psum(leaves[i], i, b.rest)
-                continue
-            if isinstance(self.comp, PowerSGD):
+            if isinstance(self.comp, PowerSGD) and b.compressed is not None:
                 st = self._reduce_powersgd(b, leaves, out, comm.get(b.key, {}))
                 if st:  # a bucket of norm scales only has no state
                     new_comm[b.key] = st
                 continue
-            st = comm.get(b.key, {})
-            flat = self._pack_scattered(b, leaves) if b.scattered else self._pack(b, leaves)
-            reduce = lambda flat, st, b=b: self._reduce_flat(b, flat, st)
-            kept = tuple(a for a in b.rest if not (b.scattered and a == ZERO_AXIS))  # summed, replicated
-            flat, st = reduce(flat, st) if b.checkable else unchecked(reduce, flat, st, replicated=kept)
+            pieces, st = self._reduce_bucket(b, leaves, comm.get(b.key, {}))
             if st:
                 new_comm[b.key] = st
-            for i, piece in zip(b.leaves, self._unpack(b, flat, leaves)):
-                out[i] = piece.astype(leaves[i].dtype)
+            for i, piece in zip(b.leaves, pieces):
+                out[i] = piece
         new_comm = jax.tree.map(lambda x: x[None], new_comm)
         return jax.tree.unflatten(self.treedef, out), new_comm
+
+    def _reduce_bucket(self, b: Bucket, leaves, st: dict) -> tuple[list, dict]:
+        """(bucket b's leaves summed, in b.leaves' order; the new state). `leaves`: indexable by
+        leaf index (the flattened gradients, or one layer's slice of one leaf)."""
+        if b.compressed is None:
+            return [self._psum(leaves[i], self._dim(b, i), b.rest) for i in b.leaves], {}
+        flat = self._pack_scattered(b, leaves) if b.scattered else self._pack(b, leaves)
+        reduce = lambda flat, st: self._reduce_flat(b, flat, st)
+        kept = tuple(a for a in b.rest if not (b.scattered and a == ZERO_AXIS))  # summed, replicated
+        flat, st = reduce(flat, st) if b.checkable else unchecked(reduce, flat, st, replicated=kept)
+        return [piece.astype(leaves[i].dtype) for i, piece in zip(b.leaves, self._unpack(b, flat, leaves))], st
+
+    def scatter_layer(self, g, path):
+        """ZeRO-2's reduce-scatter of one layer's gradient over fsdp, as `microbatch` does."""
+        return scatter_microbatch_grads(g, layer_spec(self._grad_out[path]), self.plan, self.manual,
+                                        self.wire_dtype)
+
+    def finish_layer(self, g, path):
+        """One layer's gradient of a stacked leaf, reduced alone as its own bucket."""
+        b = self.layer_buckets[path]
+        (out,), _ = self._reduce_bucket(b, {b.leaves[0]: g}, {})
+        return out
 
     def _pack(self, b: Bucket, leaves):
         flat = jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in b.leaves])
@@ -339,7 +379,7 @@ class GradientReducer(GradientSync):
     def _pack_scattered(self, b: Bucket, leaves):
         """The bucket of a ZeRO-1 bucket's leaves in the layout of `_scattered_layout`."""
         f = self.plan.mesh.shape[ZERO_AXIS]
-        rows = [jnp.moveaxis(leaves[i], self.zero1[i], 0).reshape(f, -1).astype(jnp.float32)
+        rows = [jnp.moveaxis(leaves[i], self._dim(b, i), 0).reshape(f, -1).astype(jnp.float32)
                 for i in b.leaves]
         shards = jnp.concatenate(rows, axis=1)  # row j: shard j of every leaf
         shards = jnp.pad(shards, ((0, 0), (0, b.padded // f - shards.shape[1])))
@@ -352,13 +392,13 @@ class GradientReducer(GradientSync):
         f = self.plan.mesh.shape[ZERO_AXIS] if b.scattered else 1
         out, off = [], 0
         for i in b.leaves:
-            n = math.prod(self.local_shapes[i]) // f
+            n = math.prod(self._shape(b, i)) // f
             piece = flat[off:off + n]
             off += n
             if not b.scattered:
                 out.append(piece.reshape(leaves[i].shape))
                 continue
-            d = self.zero1[i]
+            d = self._dim(b, i)
             moved = jnp.moveaxis(leaves[i], d, 0).shape
             out.append(jnp.moveaxis(piece.reshape(moved[0] // f, *moved[1:]), 0, d))
         return out
@@ -389,7 +429,7 @@ class GradientReducer(GradientSync):
         for i in b.leaves:
             g = leaves[i]
             if i not in b.matrices:
-                out[i] = self._psum(g, i, b.rest)
+                out[i] = self._psum(g, self.zero1[i], b.rest)
                 continue
             bb, m, n = b.matrices[i]
             name = self.paths[i]
@@ -405,12 +445,14 @@ class GradientReducer(GradientSync):
 
     def describe(self) -> str:
         parts = []
-        for b in self.buckets:
+        layers = {(b.key, b.compressed, tuple(b.outer), b.scattered): b for b in self.layer_buckets.values()}
+        for b in [*self.buckets, *layers.values()]:
+            key = f"{b.key} per layer in the backward scan" if b.layer else b.key
             if b.compressed is None:
-                parts.append(f"{b.key}: float32 {'reduce-scatter' if b.scattered else 'psum'}")
+                parts.append(f"{key}: float32 {'reduce-scatter' if b.scattered else 'psum'}")
             else:
                 outer = "".join(f" (float32 over {g.describe()})" for g in b.outer)
-                parts.append(f"{b.key}: {self.comp.name} over {b.compressed.describe()}{outer}")
+                parts.append(f"{key}: {self.comp.name} over {b.compressed.describe()}{outer}")
         return "; ".join(parts) or "no reduction"
 
 

@@ -4,7 +4,8 @@
      accumulate over microbatches (train/accumulate.py: a scan, or the pipeline's timetable):
        forward + backward of the local slice (train/forward.py; ZeRO-3 gathers per layer),
        the layer stacks' gradients reduced inside the backward layer scan, layer by layer, where
-         the sync can (sync.in_scan: AllReduce without a pipeline; train/layer_grads.py),
+         the sync can (sync.in_scan: AllReduce without a pipeline, a stateless compressed
+         reduction; train/layer_grads.py),
        each microbatch's other gradients through the sync's hook (ZeRO-2 reduce-scatters them)
      the sync's final reduction of the rest (parallel/sync.py: psum / ZeRO-1 reduce-scatter,
        compressed, 1-bit Adam, local SGD)
