@@ -110,12 +110,9 @@ class Compressor:
     #: reduce() honours `gather` (a reduce-scatter: each member keeps its own chunks of the sum)
     scatters = True
 
-    @property
-    def per_slice(self) -> bool:
-        """Whether reducing any slice of a gradient alone needs nothing kept across steps (no
-        error-feedback residual, no PowerSGD Q): then GradientReducer reduces each layer's slice
-        inside the backward layer scan (a block-wise method's blocks then never span layers)."""
-        return not self.error_feedback
+    #: a slice of a gradient (one layer's) can be reduced alone, with residuals of its own shape:
+    #: GradientReducer reduces it inside the backward layer scan (not PowerSGD: its Q)
+    per_slice = True
 
     def __init__(self, cfg: Any = None):
         self.cfg = cfg

@@ -18,8 +18,9 @@ each device's fsdp shard is what the reduction leaves on it when the last all-ga
 live in the train state as state["comm"][bucket][name], one row per batch device (leading axis
 over the batch axes, sharded that way), so they are checkpointed and resumed with the rest.
 PowerSGD works per matrix instead of per bucket; non-matrix gradients are psum'd in float32.
-A method with no state (Compressor.per_slice) reduces each layer's slice of each stacked leaf as
-a bucket of its own, inside the backward layer scan (see GradientReducer).
+A method that works on any slice (Compressor.per_slice: all but PowerSGD) reduces each layer's
+slice of each stacked leaf as a bucket of its own, inside the backward layer scan, its residuals
+in state["comm"]["layers"] (see GradientReducer).
 """
 from __future__ import annotations
 
@@ -90,22 +91,27 @@ def dcn_size_of(mesh, cfg) -> int:
                 for j in range(mesh.shape["data"])})
 
 
+LAYERS = "layers"  # state["comm"][LAYERS]: the residuals of the in-scan leaves, [devices, layers, ...]
+
+
 class GradientReducer(GradientSync):
     """The compressed gradient sync (jaxpar/parallel/sync.py), built once per step from the
     config, the plan and the model's gradient specs.
 
-    A method that keeps no state across steps (`Compressor.per_slice`: bf16, fp16, and int8 /
-    onebit / topk with error_feedback: false) reduces the stacked layer params (`layered`, as
-    make_sync picks them for AllReduce) inside the backward layer scan, like AllReduce: each
-    layer's slice of each leaf is its own bucket (`layer_buckets`), compressed, reduced (its
-    ZeRO-1 shard kept) and decompressed as soon as the layer's backward produces it
-    (scatter_layer / finish_layer; jaxpar/train/layer_grads.py); the rest (embeddings, norm,
-    head) in buckets after the scan. The others reduce everything after the scan: error
-    feedback (int8, onebit, topk by default) keeps residuals per bucket of the whole step's
-    gradient in state["comm"], PowerSGD keeps Q per matrix across steps, and a layer's slice in
-    the scan has no state of its own to read and write back (the tap's backward can only hand
-    out gradients). gradient_compression.warmup_steps also keeps the method after the scan: the
-    float32-or-compressed choice reads the step, which the backward does not see."""
+    A method whose reduction of a slice needs that slice alone (`Compressor.per_slice`: bf16,
+    fp16, and the block-wise int8, onebit, topk, whose blocks then never span layers) reduces
+    the stacked layer params (`layered`, as make_sync picks them for AllReduce) inside the
+    backward layer scan, like AllReduce: each layer's slice of each leaf is its own bucket
+    (`layer_buckets`), compressed, reduced (its ZeRO-1 shard kept) and decompressed as soon as
+    the layer's backward produces it (scatter_layer / finish_layer; jaxpar/train/layer_grads.py);
+    the rest (embeddings, norm, head) in buckets after the scan. Error-feedback residuals of an
+    in-scan leaf are kept per layer slice (state["comm"]["layers"][leaf], [devices, layers,
+    ...]), scanned beside the params and written back through the layer scan's state sinks
+    (`layer_state`). After the scan stay: PowerSGD (Q is warm-started from the last step's and
+    orthogonalised across the stacked matrices of a leaf, and its factorisation holds the whole
+    stack; per layer it would run one small QR per layer and leaf), and any method with
+    gradient_compression.warmup_steps (the float32-or-compressed choice reads the step, which the
+    backward does not see)."""
 
     def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None, wire_dtype=None,
                  layered: frozenset[tuple] = frozenset()):
@@ -262,9 +268,17 @@ class GradientReducer(GradientSync):
                                                  if self.comp.error_feedback else {})}
                               for i, (bb, m, n) in b.matrices.items()}
             elif self.comp.error_feedback:
-                length = b.padded // math.prod(g.size for g in b.outer)
-                out[b.key] = self.comp.state_shapes(length, b.compressed.size)
+                out[b.key] = self._bucket_state_shapes(b)
+        layers = {self.paths[b.leaves[0]]: {k: (self.local_shapes[b.leaves[0]][0], *s)
+                                            for k, s in self._bucket_state_shapes(b).items()}
+                  for b in self.layer_buckets.values()
+                  if b.compressed is not None and self.comp.error_feedback}
+        out[LAYERS] = {k: v for k, v in layers.items() if v}
         return {k: v for k, v in out.items() if v}
+
+    def _bucket_state_shapes(self, b: Bucket) -> dict:
+        length = b.padded // math.prod(g.size for g in b.outer)
+        return self.comp.state_shapes(length, b.compressed.size)
 
     @property
     def stateful(self) -> bool:
@@ -347,6 +361,8 @@ class GradientReducer(GradientSync):
                 new_comm[b.key] = st
             for i, piece in zip(b.leaves, pieces):
                 out[i] = piece
+        if LAYERS in comm:  # updated in the layer scan already
+            new_comm[LAYERS] = comm[LAYERS]
         new_comm = jax.tree.map(lambda x: x[None], new_comm)
         return jax.tree.unflatten(self.treedef, out), new_comm
 
@@ -359,18 +375,31 @@ class GradientReducer(GradientSync):
         reduce = lambda flat, st: self._reduce_flat(b, flat, st)
         kept = tuple(a for a in b.rest if not (b.scattered and a == ZERO_AXIS))  # summed, replicated
         flat, st = reduce(flat, st) if b.checkable else unchecked(reduce, flat, st, replicated=kept)
-        return [piece.astype(leaves[i].dtype) for i, piece in zip(b.leaves, self._unpack(b, flat, leaves))], st
+        pieces = self._unpack(b, flat, leaves)
+        return [piece.astype(leaves[i].dtype) for i, piece in zip(b.leaves, pieces)], st
 
     def scatter_layer(self, g, path):
         """ZeRO-2's reduce-scatter of one layer's gradient over fsdp, as `microbatch` does."""
         return scatter_microbatch_grads(g, layer_spec(self._grad_out[path]), self.plan, self.manual,
                                         self.wire_dtype)
 
-    def finish_layer(self, g, path):
-        """One layer's gradient of a stacked leaf, reduced alone as its own bucket."""
+    def finish_layer(self, g, path, state):
+        """One layer's gradient of a stacked leaf, reduced alone as its own bucket, with its own
+        slice of the leaf's residuals."""
         b = self.layer_buckets[path]
-        (out,), _ = self._reduce_bucket(b, {b.leaves[0]: g}, {})
-        return out
+        (out,), state = self._reduce_bucket(b, {b.leaves[0]: g}, state)
+        return out, state
+
+    def layer_state(self, comm):
+        by_name = {self.paths[b.leaves[0]]: p for p, b in self.layer_buckets.items()}
+        return {by_name[k]: jax.tree.map(lambda x: x[0], st) for k, st in comm.get(LAYERS, {}).items()}
+
+    def with_layer_state(self, comm, state):
+        if LAYERS not in self._state_shapes():
+            return comm
+        layers = {self.paths[self.layer_buckets[p].leaves[0]]: jax.tree.map(lambda x: x[None], st)
+                  for p, st in state.items() if st}
+        return {**comm, LAYERS: layers}
 
     def _pack(self, b: Bucket, leaves):
         flat = jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in b.leaves])

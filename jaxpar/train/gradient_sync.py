@@ -18,7 +18,7 @@ def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = No
     alone (local_sgd.sync_every > 1), 1-bit Adam's momentum exchange when it is the optimizer, a
     compressed reduction when gradient_compression.method is not none, else the plain psum. The
     last two reduce the layer stacks inside the backward layer scan (train/layer_grads.py; the
-    compressed one where its method keeps no state: collectives/reducer.py). With
+    compressed one but for PowerSGD and a warm-up: collectives/reducer.py). With
     accumulation (`accumulating`) only the stacks the sync itself scatters each microbatch (ZeRO-2:
     gradient sharded over fsdp, param whole) do: the others would hold the finished reduction
     beside the float32 sum of the local gradients through the microbatch loop (two check_vma
@@ -37,5 +37,6 @@ def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = No
     layered = frozenset(p for p, ax in flat_paths(model.axes, is_leaf=lambda x: isinstance(x, tuple)).items()
                         if ax[:1] == ("layers",) and (grad[p] != param[p] or not accumulating))
     if compression is not None and compression.method != "none":
-        return GradientReducer(compression, plan, model, specs["grad"], wire_dtype=wire_dtype, layered=layered)
+        return GradientReducer(compression, plan, model, specs["grad"], wire_dtype=wire_dtype,
+                               layered=layered)
     return AllReduce(plan, specs["grad"], specs["opt"], wire_dtype, layered)
