@@ -213,6 +213,10 @@ def test_hlo_reduction_is_compressed(method, wire, runs):
     assert by.get(("all-reduce", "f32"), 0) < 64, by  # only the loss is all-reduced
     # float32 scales ride along, a small fraction of the payload
     assert sum(v for (k, d), v in by.items() if d == "f32") < 0.05 * f32_psum, by
+    # the layer stacks' payload (most of the model) is sent inside the backward layer scan
+    from jaxpar.metrics import loop_collectives
+    where = loop_collectives(trainer.compiled.as_text(), "bytes")
+    assert where["inside"]["all-to-all"] > 3 * where["outside"]["all-to-all"], where
 
 
 @pytest.mark.parametrize("method", ["int8", "onebit", "topk", "powersgd"])
@@ -301,6 +305,66 @@ def test_zero1_compressed_reduction_ends_at_the_optimizer_shard(devices):
     assert "data+fsdp_scattered: int8 over data+fsdp" in t1.spec.sync.describe()
 
 
+# Each layer's gradient compressed and reduced inside the backward layer scan (reducer.py): bf16
+# on data 8; int8 (its error-feedback residuals per layer slice, scanned beside the params) at
+# ZeRO-1 data 2 x fsdp 4 (the scattered layout: each layer's shard kept) and at ZeRO-2 with
+# accumulation (each microbatch reduce-scattered over fsdp in the backward, the last one's adding
+# the others' sum and sending int8 over data, its residuals written on the last microbatch only)
+IN_SCAN = {
+    "dp8-bf16": (["mesh.data=8", "sharding.zero_stage=0"], "bf16", 1e-2),
+    "dp2-fsdp4-zero1-int8": (ZERO1, "int8", 3e-2),
+    "dp2-fsdp4-zero2-accum2-int8": (["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=2",
+                                     "train.grad_accum=2"], "int8", 3e-2),
+}
+
+
+@pytest.mark.parametrize("layout", list(IN_SCAN))
+def test_compressed_reduction_of_each_layer_inside_the_backward(layout, devices):
+    """The stacked layers' compressed payload (all-to-all, then all-gather) runs inside the
+    backward loop, once per layer: its bytes there are the stack's at the method's bytes per
+    element (plus padding to the group), and after the loops only the embeddings', head's and
+    final norm's; what the optimizer receives equals one device's gradient within the method's
+    rounding, on step 1 and on step 2 after an AdamW step."""
+    from jaxpar.metrics import loop_collectives
+    from jaxpar.parallel.sync import flat_paths
+    from jaxpar.sharding import entry_axes
+    from tests.grad_util import grad_trainer, to_numpy
+    from tests.test_layout_grads import reference, relative_errors
+    overrides, method, tol = IN_SCAN[layout]
+    t, step = grad_trainer(tiny_config(*overrides, f"gradient_compression.method={method}"), devices)
+    sync = t.spec.sync
+    assert sync.in_scan and f"per layer in the backward scan: {method} over" in sync.describe()
+    state, got = t.init_state(), []
+    for i in range(2):
+        tokens = t.loader.batch(i)
+        if i == 0:
+            text = step.lower(state, tokens).compile().as_text()
+        state, metrics = step(state, tokens)
+        got.append(to_numpy(metrics))
+    for k, (g, r) in enumerate(zip(got, reference(["mesh.data=1"], devices)), start=1):
+        leaf_err, norm_err = relative_errors(g, r)
+        assert 1e-6 < leaf_err < tol and norm_err < tol, (k, leaf_err, norm_err)  # compressed, not float32
+    nbytes = loop_collectives(text, "bytes")
+    shapes = flat_paths(t.model.shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    grad, final = flat_paths(t.spec.grad_specs), flat_paths(sync.final_specs)
+    per_element = sync.comp.wire_bytes_per_element()  # bf16: 2, int8: 1 + a float32 scale per block
+    wire = lambda p, spec: per_element * math.prod(shapes[p].shape) / (4 if any("fsdp" in entry_axes(e)
+                                                                               for e in spec[p]) else 1)
+    stacked = sum(wire(p, grad) for p in sync.in_scan)  # sent (ZeRO-2: the fsdp shard)
+    top = sum(2 * math.prod(s.shape) for p, s in shapes.items() if p not in sync.in_scan)
+    # with accumulation the last microbatch's reduction is a branch of a cond in the microbatch
+    # loop, which a static count takes as run every trip (tests/test_overlap.py)
+    m = t.cfg.train.grad_accum
+    # each layer slice padded to the group times the method's block
+    pad = per_element * t.cfg.model.n_layers * len(sync.in_scan) * N * sync.comp.multiple
+    a2a_in, a2a_out = nbytes["inside"]["all-to-all"] / m, nbytes["outside"]["all-to-all"]
+    assert stacked <= a2a_in <= stacked + pad, (a2a_in, stacked, nbytes)
+    assert a2a_out <= top + pad, (a2a_out, top, nbytes)
+    # the all-gather of the sums: what the optimizer receives (ZeRO-1: the fsdp gather skipped)
+    gather = sum(wire(p, final) for p in sync.in_scan)
+    assert gather <= nbytes["inside"]["all-gather"] / m <= gather + pad, (gather, nbytes)
+
+
 def test_sharded_layouts_compress_their_reductions(devices):
     """ZeRO-3 over fsdp=4 x data=2: fsdp-scattered gradients are compressed over `data`, the
     norm scales (not scattered) over data+fsdp; PowerSGD keeps state only for matrices."""
@@ -369,7 +433,8 @@ def test_a_compressor_is_one_class_and_one_registry_line(float8_registered, devi
     from tests.grad_util import first_step_grads
     cfg = tiny_config("mesh.data=8", "sharding.zero_stage=0", "gradient_compression.method=float8_test")
     t = Trainer(cfg, devices=devices, log=lambda s: None)
-    assert t.spec.sync.describe() == "data: float8_test over data"
+    assert t.spec.sync.describe() == ("data: float8_test over data; "  # no state: each layer in the scan
+                                      "data per layer in the backward scan: float8_test over data")
     kinds = {(op.kind, op.dtype) for op in collective_ops(t.compile().as_text())}
     assert {("all-to-all", "u8"), ("all-gather", "u8")} <= kinds
     ref, _ = first_step_grads(tiny_config("mesh.data=1"), devices[:1])

@@ -120,12 +120,15 @@ def test_zero2_temp_memory_below_zero1_by_half_the_gradient(compiled):
     assert temp2 <= temp1 - full / 2, (temp1, temp2, full)
 
 
-def test_compressed_error_feedback_keeps_its_post_scan_reduction(devices):
-    """int8 (error feedback: its residuals are per bucket of the whole gradient) reduces after
-    the scan: the sync hands no leaf to the layer scan."""
-    t = Trainer(tiny_config("mesh.data=8", "gradient_compression.method=int8", "train.seq_len=16"),
-                devices=devices, log=lambda s: None)
-    assert not t.spec.sync.in_scan
+def test_powersgd_and_compression_warmup_keep_their_post_scan_reduction(devices):
+    """PowerSGD (Q per stacked matrix across steps) and a float32 warm-up (it reads the step)
+    reduce after the scan: the sync hands no leaf to the layer scan. (The other methods reduce in
+    the scan: tests/test_compression.py.)"""
+    for overrides in (["gradient_compression.method=powersgd"],
+                      ["gradient_compression.method=bf16", "gradient_compression.warmup_steps=1"]):
+        t = Trainer(tiny_config("mesh.data=8", *overrides, "train.seq_len=16"), devices=devices,
+                    log=lambda s: None)
+        assert not t.spec.sync.in_scan, overrides
 
 
 def test_loop_collectives_rejects_a_bad_measure():

@@ -47,7 +47,7 @@ def test_missing_layer_reduction_fails_at_trace_time(name, devices, monkeypatch)
     """The layer gradients reduced inside the backward scan (train/layer_grads.py) are checked
     too: a layer's unreduced gradient does not have its sink's (reduced) type. (That the step
     traces unpatched: test_missing_reduction_fails_at_trace_time.)"""
-    monkeypatch.setattr(AllReduce, "finish_layer", lambda self, g, path: g)
+    monkeypatch.setattr(AllReduce, "finish_layer", lambda self, g, path, state: (g, state))
     with pytest.raises(ValueError, match="must produce an output with the same type"):
         lower(LAYOUTS[name], devices)
 

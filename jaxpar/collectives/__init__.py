@@ -1,8 +1,9 @@
 """Compressed gradient collectives: the data-parallel reduction in fewer bytes.
 
 `gradient_compression.method` picks one compressor (one per file, a common interface in
-`base.py`); `GradientReducer` applies it to the final gradient reduction over the data-parallel
-axes inside the train step's shard_map (see `reducer.py`).
+`base.py`); `GradientReducer` applies it to the gradient reduction over the data-parallel axes
+inside the train step's shard_map: per layer inside the backward layer scan (error-feedback
+residuals per layer slice), but PowerSGD and a float32 warm-up after it (see `reducer.py`).
 
   none      float32 psum, the default path unchanged
   bf16      16-bit chunks on the wire, float32 sums

@@ -110,6 +110,10 @@ class Compressor:
     #: reduce() honours `gather` (a reduce-scatter: each member keeps its own chunks of the sum)
     scatters = True
 
+    #: a slice of a gradient (one layer's) can be reduced alone, with residuals of its own shape:
+    #: GradientReducer reduces it inside the backward layer scan (not PowerSGD: its Q)
+    per_slice = True
+
     def __init__(self, cfg: Any = None):
         self.cfg = cfg
 

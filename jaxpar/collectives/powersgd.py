@@ -38,6 +38,7 @@ def orthonormal(p: jax.Array) -> jax.Array:
 class PowerSGD(Compressor):
     name = "powersgd"
     error_feedback = True
+    per_slice = False  # Q per stacked matrix, warm-started from the last step (reducer.py)
 
     def __init__(self, cfg=None, rank: int | None = None):
         super().__init__(cfg)

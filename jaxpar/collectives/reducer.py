@@ -18,6 +18,9 @@ each device's fsdp shard is what the reduction leaves on it when the last all-ga
 live in the train state as state["comm"][bucket][name], one row per batch device (leading axis
 over the batch axes, sharded that way), so they are checkpointed and resumed with the rest.
 PowerSGD works per matrix instead of per bucket; non-matrix gradients are psum'd in float32.
+A method that works on any slice (Compressor.per_slice: all but PowerSGD) reduces each layer's
+slice of each stacked leaf as a bucket of its own, inside the backward layer scan, its residuals
+in state["comm"]["layers"] (see GradientReducer).
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ from jaxpar.collectives.base import Compressor, Group, unchecked
 from jaxpar.collectives.methods import make_compressor
 from jaxpar.collectives.powersgd import PowerSGD, init_q, matrix_split
 from jaxpar.config import ConfigError
-from jaxpar.parallel.data import reduce_scatter, scatter_microbatch_grads
-from jaxpar.parallel.sync import GradientSync, is_spec
+from jaxpar.parallel.data import layer_spec, reduce_scatter, scatter_microbatch_grads, sharded_dims
+from jaxpar.parallel.sync import GradientSync, flat_paths, is_spec, key_path
 from jaxpar.sharding import ZERO_AXIS, entry_axes, vary, varying_axes
 
 
@@ -51,6 +54,7 @@ class Bucket:
     scattered: bool = False               # ZeRO-1: each device keeps its fsdp shard of the sum
     levels: tuple[int, ...] = ()          # scattered: the sizes the reduction splits the bucket into
     fsdp_level: int = 0                   # scattered: which of `levels` is fsdp
+    layer: bool = False                   # one layer's slice of one stacked leaf (layers dim dropped)
 
     @property
     def checkable(self) -> bool:
@@ -87,19 +91,31 @@ def dcn_size_of(mesh, cfg) -> int:
                 for j in range(mesh.shape["data"])})
 
 
+LAYERS = "layers"  # state["comm"][LAYERS]: the residuals of the in-scan leaves, [devices, layers, ...]
+
+
 class GradientReducer(GradientSync):
     """The compressed gradient sync (jaxpar/parallel/sync.py), built once per step from the
     config, the plan and the model's gradient specs.
 
-    It reduces after the backward scan (no `in_scan` leaves), every method alike. Error feedback
-    (int8, onebit, topk) keeps residuals per bucket of the whole step's gradient in
-    state["comm"], and PowerSGD keeps Q per matrix across steps: a layer's slice has no residual
-    of its own to add back inside the scan. bf16 / fp16 carry no state and could reduce per
-    layer in the scan, but buckets span layers and leaves (one all-to-all per bucket), so that
-    needs per-layer buckets: not built yet. The uncompressed reduction in bf16
-    (train.grad_reduce_dtype=bfloat16, parallel/data.AllReduce) does reduce in the scan."""
+    A method whose reduction of a slice needs that slice alone (`Compressor.per_slice`: bf16,
+    fp16, and the block-wise int8, onebit, topk, whose blocks then never span layers) reduces
+    the stacked layer params (`layered`, as make_sync picks them for AllReduce) inside the
+    backward layer scan, like AllReduce: each layer's slice of each leaf is its own bucket
+    (`layer_buckets`), compressed, reduced (its ZeRO-1 shard kept) and decompressed as soon as
+    the layer's backward produces it (scatter_layer / finish_layer; jaxpar/train/layer_grads.py);
+    the rest (embeddings, norm, head) in buckets after the scan. Error-feedback residuals of an
+    in-scan leaf are kept per layer slice (state["comm"]["layers"][leaf], [devices, layers,
+    ...]), scanned beside the params and written back through the layer scan's state sinks
+    (`layer_state`; the new residuals are a second buffer beside the old ones, +3.7 MB temp for
+    int8 on the quickstart model: docs/benchmarks.md). After the scan stay: PowerSGD (Q is warm-started from the last step's and
+    orthogonalised across the stacked matrices of a leaf, and its factorisation holds the whole
+    stack; per layer it would run one small QR per layer and leaf), and any method with
+    gradient_compression.warmup_steps (the float32-or-compressed choice reads the step, which the
+    backward does not see)."""
 
-    def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None, wire_dtype=None):
+    def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None, wire_dtype=None,
+                 layered: frozenset[tuple] = frozenset()):
         sizes = plan.mesh.shape
         if sizes.get("pipeline", 1) > 1:
             raise ConfigError("gradient compression (and 1-bit Adam) with mesh.pipeline > 1 is not supported "
@@ -129,12 +145,21 @@ class GradientReducer(GradientSync):
             self.zero1.append(self._zero1_dim(entries, opt, local))
         final = [o if d is not None else s for s, o, d in zip(specs, opt_specs, self.zero1)]
         self.set_final_specs(jax.tree.unflatten(self.treedef, final))
+        self._grad_out, self._final_out = flat_paths(self.grad_out), flat_paths(self.final_out)
+        keys = [key_path(path) for path, _ in flat]
+        if self.comp.per_slice and not cfg.warmup_steps:
+            # the layers dim must be whole on each device for a layer's slice to be reduced alone
+            whole = lambda spec: not sharded_dims(P(*spec[:1]), self.manual)
+            self.in_scan = frozenset(k for k, r in zip(keys, rests) if k in layered and r
+                                     and whole(self._grad_out[k]) and whole(self._final_out[k]))
+        self.layer_buckets = {k: self._bucket(rests[i], [i], self.zero1[i] is not None, layer=True)
+                              for i, k in enumerate(keys) if k in self.in_scan}
+        after = [i for i, k in enumerate(keys) if k not in self.in_scan]
         self.buckets: list[Bucket] = []
-        for rest, scattered in sorted(set(zip(rests, [d is not None for d in self.zero1]))):
+        for rest, scattered in sorted({(rests[i], self.zero1[i] is not None) for i in after}):
             if not rest:
                 continue
-            leaves = [i for i, r in enumerate(rests)
-                      if r == rest and (self.zero1[i] is not None) == scattered]
+            leaves = [i for i in after if rests[i] == rest and (self.zero1[i] is not None) == scattered]
             self.buckets.append(self._bucket(rest, leaves, scattered))
 
     def _zero1_dim(self, entries, opt: P, local: tuple[int, ...]) -> int | None:
@@ -180,10 +205,19 @@ class GradientReducer(GradientSync):
         outer = [Group(other, math.prod(sizes[a] for a in other))] if other else []
         return Group(want, math.prod(sizes[a] for a in want)), outer
 
-    def _bucket(self, rest, leaves, scattered: bool = False) -> Bucket:
+    def _shape(self, b: Bucket, i: int) -> tuple[int, ...]:
+        """Leaf i's local shape in bucket b (a layer bucket: one layer's)."""
+        return self.local_shapes[i][1:] if b.layer else self.local_shapes[i]
+
+    def _dim(self, b: Bucket, i: int) -> int | None:
+        """The dim leaf i is scattered on at ZeRO-1 in bucket b (a layer bucket: one layer's)."""
+        d = self.zero1[i]
+        return None if d is None else d - b.layer
+
+    def _bucket(self, rest, leaves, scattered: bool = False, layer: bool = False) -> Bucket:
         comp, outer = self._groups(rest)
         b = Bucket("+".join(rest) + ("_scattered" if scattered else ""), rest, leaves, comp, outer,
-                   scattered=scattered)
+                   scattered=scattered, layer=layer)
         if comp is None:
             return b
         if isinstance(self.comp, PowerSGD):
@@ -197,7 +231,7 @@ class GradientReducer(GradientSync):
                 if self.comp.worth_it(m, n):
                     b.matrices[i] = (math.prod(batch), m, n)
             return b
-        b.length = sum(math.prod(self.local_shapes[i]) for i in leaves)
+        b.length = sum(math.prod(self._shape(b, i)) for i in leaves)
         if scattered:
             return self._scattered_layout(b)
         mult = math.prod(g.size for g in outer) * comp.size * self.comp.multiple
@@ -235,9 +269,17 @@ class GradientReducer(GradientSync):
                                                  if self.comp.error_feedback else {})}
                               for i, (bb, m, n) in b.matrices.items()}
             elif self.comp.error_feedback:
-                length = b.padded // math.prod(g.size for g in b.outer)
-                out[b.key] = self.comp.state_shapes(length, b.compressed.size)
+                out[b.key] = self._bucket_state_shapes(b)
+        layers = {self.paths[b.leaves[0]]: {k: (self.local_shapes[b.leaves[0]][0], *s)
+                                            for k, s in self._bucket_state_shapes(b).items()}
+                  for b in self.layer_buckets.values()
+                  if b.compressed is not None and self.comp.error_feedback}
+        out[LAYERS] = {k: v for k, v in layers.items() if v}
         return {k: v for k, v in out.items() if v}
+
+    def _bucket_state_shapes(self, b: Bucket) -> dict:
+        length = b.padded // math.prod(g.size for g in b.outer)
+        return self.comp.state_shapes(length, b.compressed.size)
 
     @property
     def stateful(self) -> bool:
@@ -285,12 +327,11 @@ class GradientReducer(GradientSync):
         leaves = self.treedef.flatten_up_to(grads)
         for b in self.buckets:
             for i in b.leaves:
-                leaves[i] = self._psum(leaves[i], i, b.rest)
+                leaves[i] = self._psum(leaves[i], self.zero1[i], b.rest)
         return jax.tree.unflatten(self.treedef, leaves), comm
 
-    def _psum(self, g, i: int, rest: tuple[str, ...]):
-        """Leaf i summed over `rest` in float32; a ZeRO-1 leaf reduce-scattered to its shard."""
-        d = self.zero1[i]
+    def _psum(self, g, d: int | None, rest: tuple[str, ...]):
+        """g summed over `rest` in float32; reduce-scattered to its shard on dim d (ZeRO-1)."""
         if d is None:
             return jax.lax.psum(g, rest)
         g = reduce_scatter(g, (ZERO_AXIS,), d)
@@ -311,26 +352,55 @@ class GradientReducer(GradientSync):
         out = list(leaves)
         new_comm = {}
         for b in self.buckets:
-            if b.compressed is None:
-                for i in b.leaves:
-                    out[i] = self._psum(leaves[i], i, b.rest)
-                continue
-            if isinstance(self.comp, PowerSGD):
+            if isinstance(self.comp, PowerSGD) and b.compressed is not None:
                 st = self._reduce_powersgd(b, leaves, out, comm.get(b.key, {}))
                 if st:  # a bucket of norm scales only has no state
                     new_comm[b.key] = st
                 continue
-            st = comm.get(b.key, {})
-            flat = self._pack_scattered(b, leaves) if b.scattered else self._pack(b, leaves)
-            reduce = lambda flat, st, b=b: self._reduce_flat(b, flat, st)
-            kept = tuple(a for a in b.rest if not (b.scattered and a == ZERO_AXIS))  # summed, replicated
-            flat, st = reduce(flat, st) if b.checkable else unchecked(reduce, flat, st, replicated=kept)
+            pieces, st = self._reduce_bucket(b, leaves, comm.get(b.key, {}))
             if st:
                 new_comm[b.key] = st
-            for i, piece in zip(b.leaves, self._unpack(b, flat, leaves)):
-                out[i] = piece.astype(leaves[i].dtype)
+            for i, piece in zip(b.leaves, pieces):
+                out[i] = piece
+        if LAYERS in comm:  # updated in the layer scan already
+            new_comm[LAYERS] = comm[LAYERS]
         new_comm = jax.tree.map(lambda x: x[None], new_comm)
         return jax.tree.unflatten(self.treedef, out), new_comm
+
+    def _reduce_bucket(self, b: Bucket, leaves, st: dict) -> tuple[list, dict]:
+        """(bucket b's leaves summed, in b.leaves' order; the new state). `leaves`: indexable by
+        leaf index (the flattened gradients, or one layer's slice of one leaf)."""
+        if b.compressed is None:
+            return [self._psum(leaves[i], self._dim(b, i), b.rest) for i in b.leaves], {}
+        flat = self._pack_scattered(b, leaves) if b.scattered else self._pack(b, leaves)
+        reduce = lambda flat, st: self._reduce_flat(b, flat, st)
+        kept = tuple(a for a in b.rest if not (b.scattered and a == ZERO_AXIS))  # summed, replicated
+        flat, st = reduce(flat, st) if b.checkable else unchecked(reduce, flat, st, replicated=kept)
+        pieces = self._unpack(b, flat, leaves)
+        return [piece.astype(leaves[i].dtype) for i, piece in zip(b.leaves, pieces)], st
+
+    def scatter_layer(self, g, path):
+        """ZeRO-2's reduce-scatter of one layer's gradient over fsdp, as `microbatch` does."""
+        return scatter_microbatch_grads(g, layer_spec(self._grad_out[path]), self.plan, self.manual,
+                                        self.wire_dtype)
+
+    def finish_layer(self, g, path, state):
+        """One layer's gradient of a stacked leaf, reduced alone as its own bucket, with its own
+        slice of the leaf's residuals."""
+        b = self.layer_buckets[path]
+        (out,), state = self._reduce_bucket(b, {b.leaves[0]: g}, state)
+        return out, state
+
+    def layer_state(self, comm):
+        by_name = {self.paths[b.leaves[0]]: p for p, b in self.layer_buckets.items()}
+        return {by_name[k]: jax.tree.map(lambda x: x[0], st) for k, st in comm.get(LAYERS, {}).items()}
+
+    def with_layer_state(self, comm, state):
+        if LAYERS not in self._state_shapes():
+            return comm
+        layers = {self.paths[self.layer_buckets[p].leaves[0]]: jax.tree.map(lambda x: x[None], st)
+                  for p, st in state.items() if st}
+        return {**comm, LAYERS: layers}
 
     def _pack(self, b: Bucket, leaves):
         flat = jnp.concatenate([leaves[i].reshape(-1).astype(jnp.float32) for i in b.leaves])
@@ -339,7 +409,7 @@ class GradientReducer(GradientSync):
     def _pack_scattered(self, b: Bucket, leaves):
         """The bucket of a ZeRO-1 bucket's leaves in the layout of `_scattered_layout`."""
         f = self.plan.mesh.shape[ZERO_AXIS]
-        rows = [jnp.moveaxis(leaves[i], self.zero1[i], 0).reshape(f, -1).astype(jnp.float32)
+        rows = [jnp.moveaxis(leaves[i], self._dim(b, i), 0).reshape(f, -1).astype(jnp.float32)
                 for i in b.leaves]
         shards = jnp.concatenate(rows, axis=1)  # row j: shard j of every leaf
         shards = jnp.pad(shards, ((0, 0), (0, b.padded // f - shards.shape[1])))
@@ -352,13 +422,13 @@ class GradientReducer(GradientSync):
         f = self.plan.mesh.shape[ZERO_AXIS] if b.scattered else 1
         out, off = [], 0
         for i in b.leaves:
-            n = math.prod(self.local_shapes[i]) // f
+            n = math.prod(self._shape(b, i)) // f
             piece = flat[off:off + n]
             off += n
             if not b.scattered:
                 out.append(piece.reshape(leaves[i].shape))
                 continue
-            d = self.zero1[i]
+            d = self._dim(b, i)
             moved = jnp.moveaxis(leaves[i], d, 0).shape
             out.append(jnp.moveaxis(piece.reshape(moved[0] // f, *moved[1:]), 0, d))
         return out
@@ -389,7 +459,7 @@ class GradientReducer(GradientSync):
         for i in b.leaves:
             g = leaves[i]
             if i not in b.matrices:
-                out[i] = self._psum(g, i, b.rest)
+                out[i] = self._psum(g, self.zero1[i], b.rest)
                 continue
             bb, m, n = b.matrices[i]
             name = self.paths[i]
@@ -405,12 +475,14 @@ class GradientReducer(GradientSync):
 
     def describe(self) -> str:
         parts = []
-        for b in self.buckets:
+        layers = {(b.key, b.compressed, tuple(b.outer), b.scattered): b for b in self.layer_buckets.values()}
+        for b in [*self.buckets, *layers.values()]:
+            key = f"{b.key} per layer in the backward scan" if b.layer else b.key
             if b.compressed is None:
-                parts.append(f"{b.key}: float32 {'reduce-scatter' if b.scattered else 'psum'}")
+                parts.append(f"{key}: float32 {'reduce-scatter' if b.scattered else 'psum'}")
             else:
                 outer = "".join(f" (float32 over {g.describe()})" for g in b.outer)
-                parts.append(f"{b.key}: {self.comp.name} over {b.compressed.describe()}{outer}")
+                parts.append(f"{key}: {self.comp.name} over {b.compressed.describe()}{outer}")
         return "; ".join(parts) or "no reduction"
 
 

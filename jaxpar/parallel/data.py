@@ -203,9 +203,9 @@ class AllReduce(GradientSync):
         return scatter_microbatch_grads(g, layer_spec(self._grad_out[path]), self.plan, self.manual,
                                         self.wire_dtype)
 
-    def finish_layer(self, g, path):
+    def finish_layer(self, g, path, state):
         return reduce_final_grads(g, layer_spec(self._grad_out[path]), self.manual, self.plan.mesh.shape,
-                                  layer_spec(self._final_out[path]), self.wire_dtype)
+                                  layer_spec(self._final_out[path]), self.wire_dtype), state
 
     def reduce(self, grads, comm, extra):
         sizes = self.plan.mesh.shape

@@ -128,10 +128,21 @@ class GradientSync:
         microbatch's backward produces it: what `microbatch` does to the whole stack."""
         raise NotImplementedError
 
-    def finish_layer(self, g, path: tuple):
-        """One layer's scattered gradient (summed over the microbatches) of the `in_scan` leaf
-        `path`, reduced to its `final_out` layout: what `reduce` does to the whole stack."""
+    def finish_layer(self, g, path: tuple, state: dict) -> tuple[Any, dict]:
+        """(One layer's scattered gradient (summed over the microbatches) of the `in_scan` leaf
+        `path`, reduced to its `final_out` layout: what `reduce` does to the whole stack; the
+        layer's new `layer_state`). `state`: this layer's slice of the leaf's `layer_state`."""
         raise NotImplementedError
+
+    def layer_state(self, comm: dict) -> dict:
+        """{in_scan path: {name: array [layers, ...]}}: this device's part of the comm state that
+        the layer scan reads and writes one layer at a time (error-feedback residuals of each
+        layer's slice); {} when none. The scan hands its new value to `with_layer_state`."""
+        return {}
+
+    def with_layer_state(self, comm: dict, state: dict) -> dict:
+        """`comm` with its `layer_state` part replaced by `state`."""
+        return comm
 
     def reduce(self, grads, comm: dict, extra: dict):
         """(what the optimizer receives, laid out as `final_out`; the new comm state)."""

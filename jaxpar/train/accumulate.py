@@ -1,13 +1,14 @@
 """Gradient accumulation over microbatches: one interface, two implementations.
 
-    accumulate(params, mbs, loss) -> (losses [k], grads, sown [k, ...])
+    accumulate(params, mbs, loss, comm) -> (losses [k], grads, sown [k, ...], comm)
 
 inside the step's shard_map: `mbs` is this device's batch as a train.batch.Batch whose fields
 carry a leading microbatch dim (tokens [microbatches, batch, seq + 1]), `loss` a
 train.loss.MicrobatchLoss; `grads` are the local gradients summed over the microbatches (in
 float32 when there are several), each microbatch's passed through the sync's per-microbatch hook
 (ZeRO-2's reduce-scatter), but for the layer stacks the sync reduces inside the backward layer
-scan (sync.in_scan, train/layer_grads.py), which come out reduced already. `ScanMicrobatches`
+scan (sync.in_scan, train/layer_grads.py), which come out reduced already (and the sync's
+per-layer state in `comm` updated: GradientSync.layer_state). `ScanMicrobatches`
 runs a lax.scan; with mesh.pipeline > 1 the pipeline's timetable runner
 (jaxpar/parallel/pipeline) does the same job across stages (reducing after its timetable).
 """
@@ -46,15 +47,16 @@ class ScanMicrobatches:
     varying: tuple[str, ...]  # the manual axes of size > 1 the accumulator varies over (check_vma)
     layers: LayerGrads
 
-    def __call__(self, params, mbs, loss):
+    def __call__(self, params, mbs, loss, comm):
         lg, sync, m = self.layers, self.sync, self.microbatches
         top, stacks = lg.split(params)
+        state = sync.layer_state(comm)
 
         def grads_of(mb, acc, is_last):
             def mb_loss(diff, mb):
                 top, sinks = diff
                 rows = self.forward.context.split(mb)  # this device's part of each sequence
-                logits, sown = self.forward(lg.join(top, stacks), rows, lg.taps(sinks, acc, is_last))
+                logits, sown = self.forward(lg.join(top, stacks), rows, lg.taps(sinks, acc, is_last, state))
                 return loss(logits, rows, sown)
 
             (_, (value, aux)), (g, g_sinks) = jax.value_and_grad(mb_loss, has_aux=True)(
@@ -63,8 +65,10 @@ class ScanMicrobatches:
 
         if lg.active and m == 1:
             g, g_sinks, (value, aux) = grads_of(jax.tree.map(lambda a: a[0], mbs), None, True)
-            finished = {p: last for p, (_, last) in g_sinks.items()}
-            return value[None], lg.join(g, finished), jax.tree.map(lambda a: a[None], aux)
+            finished = {p: last for p, (_, last, _) in g_sinks.items()}
+            new = {p: st for p, (_, _, st) in g_sinks.items()}
+            return (value[None], lg.join(g, finished), jax.tree.map(lambda a: a[None], aux),
+                    sync.with_layer_state(comm, new))
 
         add = lambda a, x: a + x.astype(a.dtype)
 
@@ -72,8 +76,8 @@ class ScanMicrobatches:
             acc_top, acc_mid, done = carry
             i, mb = xs
             g, g_sinks, out = grads_of(mb, acc_mid, i == m - 1)
-            mid = {p: ct for p, (ct, _) in g_sinks.items()}
-            last = {p: ct for p, (_, ct) in g_sinks.items()}
+            mid = {p: ct for p, (ct, _, _) in g_sinks.items()}
+            last = {p: (ct, st) for p, (_, ct, st) in g_sinks.items()}  # zeros but on the last
             return (jax.tree.map(add, acc_top, g), jax.tree.map(add, acc_mid, mid),
                     jax.tree.map(add, done, last)), out
 
@@ -81,8 +85,9 @@ class ScanMicrobatches:
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), top), lg.top_specs))
         acc_top = jax.tree.map(lambda z: vary(jnp.zeros(z.shape, self.accum_dtype), self.varying), zeros)
         carry = (acc_top, lg.zeros_acc() if lg.active else {}, lg.zeros_done() if lg.active else {})
-        (grads, _, finished), (losses, aux) = jax.lax.scan(body, carry, (jnp.arange(m), mbs))
-        return losses, lg.join(grads, finished), aux
+        (grads, _, done), (losses, aux) = jax.lax.scan(body, carry, (jnp.arange(m), mbs))
+        finished, new = {p: d[0] for p, d in done.items()}, {p: d[1] for p, d in done.items()}
+        return losses, lg.join(grads, finished), aux, sync.with_layer_state(comm, new)
 
 
 def make_accumulation(model, plan: Plan, forward: Forward, sync: GradientSync, *, grad_accum: int,

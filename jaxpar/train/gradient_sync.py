@@ -16,8 +16,9 @@ def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = No
               local_sgd: Any = None, wire_dtype: Any = None, accumulating: bool = False) -> GradientSync:
     """`specs`: the model's "param", "grad" and "opt" PartitionSpecs. Local SGD when replicas step
     alone (local_sgd.sync_every > 1), 1-bit Adam's momentum exchange when it is the optimizer, a
-    compressed reduction when gradient_compression.method is not none, else the plain psum, which
-    reduces the layer stacks inside the backward layer scan (train/layer_grads.py). With
+    compressed reduction when gradient_compression.method is not none, else the plain psum. The
+    last two reduce the layer stacks inside the backward layer scan (train/layer_grads.py; the
+    compressed one but for PowerSGD and a warm-up: collectives/reducer.py). With
     accumulation (`accumulating`) only the stacks the sync itself scatters each microbatch (ZeRO-2:
     gradient sharded over fsdp, param whole) do: the others would hold the finished reduction
     beside the float32 sum of the local gradients through the microbatch loop (two check_vma
@@ -32,9 +33,10 @@ def make_sync(model, plan: Plan, specs: dict[str, Any], *, compression: Any = No
     if optimizer is not None and getattr(optimizer, "name", "adamw") == "onebit_adam":
         return OneBitAdamReducer(optimizer, compression or GradientCompressionConfig(), plan, model,
                                  specs["grad"], wire_dtype)
-    if compression is not None and compression.method != "none":
-        return GradientReducer(compression, plan, model, specs["grad"], wire_dtype=wire_dtype)
     grad, param = flat_paths(specs["grad"]), flat_paths(specs["param"])
     layered = frozenset(p for p, ax in flat_paths(model.axes, is_leaf=lambda x: isinstance(x, tuple)).items()
                         if ax[:1] == ("layers",) and (grad[p] != param[p] or not accumulating))
+    if compression is not None and compression.method != "none":
+        return GradientReducer(compression, plan, model, specs["grad"], wire_dtype=wire_dtype,
+                               layered=layered)
     return AllReduce(plan, specs["grad"], specs["opt"], wire_dtype, layered)

@@ -19,6 +19,11 @@ instead the layer's scattered gradient plus that sum, reduced the rest of the wa
 (`finish_layer`): one all-reduce (ZeRO-0/1) per layer per step, inside the last backward, and
 ZeRO-2 holds only gradient shards. (Running the last microbatch after the loop instead gave its
 activations buffers of their own on XLA:CPU: accumulation lost its memory saving.)
+
+A sync that keeps state per layer (`GradientSync.layer_state`: the compressed reductions'
+error-feedback residuals of each layer's slice) has it scanned beside the params like `acc`, and
+the new state goes out the same way as the reduced gradient: as the cotangent of a third sink of
+the state's shape (zeros before the last microbatch).
 """
 from __future__ import annotations
 
@@ -45,52 +50,63 @@ def _aval(x: jax.Array) -> tuple:
     return x.shape, x.dtype, tuple(sorted(varying_axes(x)))
 
 
-def tap(x: jax.Array, acc, sinks: tuple, is_last, reducers: tuple) -> jax.Array:
-    """x, whose cotangent g goes to the sinks (mid, last): on the last microbatch (`is_last`)
-    last <- finish(g, acc) and mid gets zeros, before it mid <- scatter(g) and last gets zeros.
-    With one microbatch `mid` is None and `is_last` True. `acc` (or None) rides along for the
-    backward; x and acc get no gradient (they are not differentiated)."""
-    mid, last = sinks
+def tap(x: jax.Array, acc, state: dict, sinks: tuple, is_last, reducers: tuple) -> jax.Array:
+    """x, whose cotangent g goes to the sinks (mid, last, state): on the last microbatch
+    (`is_last`) (last, state) <- finish(g, acc, state) and mid gets zeros, before it
+    mid <- scatter(g) and last and state get zeros. With one microbatch `mid` is None and
+    `is_last` True. `acc` (or None) and `state` (the sync's layer state, maybe {}) ride along for
+    the backward; x, acc and state get no gradient (they are not differentiated)."""
+    mid, last, st_sinks = sinks
     scatter, finish = reducers
     mid_aval, last_aval = (None if mid is None else _aval(mid)), _aval(last)
+    st_avals = jax.tree.map(_aval, st_sinks)
+    as_state = lambda x, aval: vary(x.astype(aval[1]), aval[2])  # per device: typed as its sink
 
     @jax.custom_vjp
-    def ident(x, acc, sinks, is_last):
+    def ident(x, acc, state, sinks, is_last):
         return x
 
-    def fwd(x, acc, sinks, is_last):
-        return x, (acc, is_last)
+    def fwd(x, acc, state, sinks, is_last):
+        return x, (acc, state, is_last)
 
     def bwd(res, g):
-        acc, is_last = res
-        to_last = lambda g, acc: finish(g, acc).astype(last_aval[1])
+        acc, state, is_last = res
+
+        def to_last(g, acc, state):
+            g, state = finish(g, acc, state)
+            return g.astype(last_aval[1]), jax.tree.map(as_state, state, st_avals)
+
         if mid_aval is None:
-            return None, None, (None, to_last(g, acc)), None
+            g, state = to_last(g, acc, state)
+            return None, None, None, (None, g, state), None
+        zeros_st = lambda: jax.tree.map(_zeros_like, st_avals, is_leaf=lambda a: isinstance(a, tuple))
         cts = jax.lax.cond(is_last,
-                           lambda g, acc: (_zeros_like(mid_aval), to_last(g, acc)),
-                           lambda g, acc: (scatter(g).astype(mid_aval[1]), _zeros_like(last_aval)),
-                           g, acc)
-        return None, None, cts, None
+                           lambda g, acc, state: (_zeros_like(mid_aval), *to_last(g, acc, state)),
+                           lambda g, acc, state: (scatter(g).astype(mid_aval[1]), _zeros_like(last_aval),
+                                                  zeros_st()),
+                           g, acc, state)
+        return None, None, None, cts, None
 
     ident.defvjp(fwd, bwd)
-    return ident(x, acc, sinks, is_last)
+    return ident(x, acc, state, sinks, is_last)
 
 
 @dataclass(frozen=True)
 class Taps:
-    """nn.Context.layer_taps: per stack-relative path, (acc or None, (mid sink or None, last
-    sink)) stacked over layers; `is_last`: whether this is the step's last microbatch."""
+    """nn.Context.layer_taps: per stack-relative path, (acc or None, the sync's layer state
+    ({} if none), (mid sink or None, last sink, state sinks)) stacked over layers; `is_last`:
+    whether this is the step's last microbatch."""
 
     xs: dict
-    reducers: dict  # stack-relative path -> (scatter(g), finish(g, acc))
+    reducers: dict  # stack-relative path -> (scatter(g), finish(g, acc, state) -> (g, state))
     is_last: Any = True
 
     def apply(self, layer_state, xs):
         items = []
         for path, var in nnx.to_flat_state(layer_state):
             if path in self.reducers:
-                acc, sinks = xs[path]
-                var = var.replace(tap(var[...], acc, sinks, self.is_last, self.reducers[path]))
+                acc, state, sinks = xs[path]
+                var = var.replace(tap(var[...], acc, state, sinks, self.is_last, self.reducers[path]))
             items.append((path, var))
         return nnx.from_flat_state(items)
 
@@ -129,6 +145,10 @@ class LayerGrads:
                          _axes(final_out[p], manual, sizes)) for p in self.paths}
         top_specs = {k: v for k, v in flat_paths(sync.grad_out).items() if k not in sync.in_scan}
         self.top_specs = nest(top_specs)
+        # the sync's per-layer state (its avals: per device, varying over every manual axis)
+        state = jax.eval_shape(sync.layer_state, jax.eval_shape(sync.init_comm))
+        self.state = {p: {k: (v.shape, v.dtype, varying) for k, v in state.get(p, {}).items()}
+                      for p in self.paths}
 
     def split(self, params: dict) -> tuple[dict, dict]:
         flat = flat_paths(params, is_leaf=None)
@@ -139,23 +159,28 @@ class LayerGrads:
         return nest({**flat_paths(top, is_leaf=None), **layers})
 
     def sinks(self, accumulating: bool) -> dict:
-        """Per path (mid sink, last sink): zeros to differentiate; no mid sink for one microbatch."""
-        return {p: (_zeros_like(self.mid[p]) if accumulating else None, _zeros_like(self.last[p]))
-                for p in self.paths}
+        """Per path (mid sink, last sink, state sinks): zeros to differentiate; no mid sink for
+        one microbatch."""
+        return {p: (_zeros_like(self.mid[p]) if accumulating else None, _zeros_like(self.last[p]),
+                    self._zeros_state(p)) for p in self.paths}
 
-    def taps(self, sinks: dict, acc: dict | None, is_last) -> Taps | None:
+    def _zeros_state(self, p) -> dict:
+        return {k: _zeros_like(aval) for k, aval in self.state[p].items()}
+
+    def taps(self, sinks: dict, acc: dict | None, is_last, state: dict) -> Taps | None:
+        """`state`: the sync's layer_state of this step (read on the last microbatch)."""
         if not self.active:
             return None
         sync = self.sync
 
         def reducers(path):
-            def finish(g, acc):
+            def finish(g, acc, state):
                 g = sync.scatter_layer(g, path)
-                return sync.finish_layer(g if acc is None else g.astype(acc.dtype) + acc, path)
+                return sync.finish_layer(g if acc is None else g.astype(acc.dtype) + acc, path, state)
             return (lambda g: sync.scatter_layer(g, path)), finish
 
         acc = acc or {}  # keyed like the stack's own state: the path below the stack's attribute
-        xs = {p[1:]: (acc.get(p), sinks[p]) for p in self.paths}
+        xs = {p[1:]: (acc.get(p), state.get(p, {}), sinks[p]) for p in self.paths}
         return Taps(xs, {p[1:]: reducers(p) for p in self.paths}, is_last)
 
     def zeros_acc(self) -> dict:
@@ -163,5 +188,6 @@ class LayerGrads:
         return {p: _zeros_like(aval) for p, aval in self.mid.items()}
 
     def zeros_done(self) -> dict:
-        """The loop carry that receives the last sinks' reduced gradients (zeros until then)."""
-        return {p: _zeros_like(aval) for p, aval in self.last.items()}
+        """The loop carry that receives the last sinks' reduced gradients and the new layer
+        state (zeros until then)."""
+        return {p: (_zeros_like(aval), self._zeros_state(p)) for p, aval in self.last.items()}

@@ -4,7 +4,8 @@
      accumulate over microbatches (train/accumulate.py: a scan, or the pipeline's timetable):
        forward + backward of the local slice (train/forward.py; ZeRO-3 gathers per layer),
        the layer stacks' gradients reduced inside the backward layer scan, layer by layer, where
-         the sync can (sync.in_scan: AllReduce without a pipeline; train/layer_grads.py),
+         the sync can (sync.in_scan: AllReduce without a pipeline, the compressed reductions
+         but PowerSGD; train/layer_grads.py; the sync's per-layer state in `comm`),
        each microbatch's other gradients through the sync's hook (ZeRO-2 reduce-scatters them)
      the sync's final reduction of the rest (parallel/sync.py: psum / ZeRO-1 reduce-scatter,
        compressed, 1-bit Adam, local SGD)
@@ -129,7 +130,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         loss = MicrobatchLoss.for_batch(loss_sum_fn, batch.tokens.shape, group, accumulate.microbatches,
                                         count, forward.context.size)
         mbs = jax.tree.map(lambda a: a.reshape(accumulate.microbatches, -1, *a.shape[1:]), batch)
-        losses, grads, aux = accumulate(params, mbs, loss)
+        losses, grads, aux, comm = accumulate(params, mbs, loss, comm)
         grads, comm = sync.reduce(grads, comm, extra)
         mean = lambda x: (jax.lax.psum(x, busy) if busy else x) / sync.replicas
         return (mean(losses.sum()), jax.tree.map(lambda a: mean(a.sum(0)), aux)), grads, comm

@@ -47,13 +47,14 @@ def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
 @dataclass(frozen=True)
 class PipelineAccumulation:
     """The step's accumulation interface (jaxpar/train/accumulate.py) run as a timetable:
-    accumulate(params, mbs, loss) -> (losses [1], local grads, sown [1])."""
+    accumulate(params, mbs, loss, comm) -> (losses [1], local grads, sown [1], comm): the sync
+    reduces nothing in the layers (no `in_scan`), so the comm state passes through."""
 
     run: Callable
     microbatches: int
 
-    def __call__(self, params, mbs, loss):
-        return self.run(params, mbs, loss)
+    def __call__(self, params, mbs, loss, comm):
+        return (*self.run(params, mbs, loss), comm)
 
 
 def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_top: Callable,
