@@ -108,8 +108,9 @@ class GradientReducer(GradientSync):
     in-scan leaf are kept per layer slice (state["comm"]["layers"][leaf], [devices, layers,
     ...]), scanned beside the params and written back through the layer scan's state sinks
     (`layer_state`; the new residuals are a second buffer beside the old ones, +3.7 MB temp for
-    int8 on the quickstart model: docs/benchmarks.md). After the scan stay: PowerSGD (Q is warm-started from the last step's and
-    orthogonalised across the stacked matrices of a leaf, and its factorisation holds the whole
+    int8 on the quickstart model: docs/benchmarks.md). After the scan stay: PowerSGD (Q is
+    warm-started from the last step's and orthogonalised across the stacked matrices of a leaf,
+    and its factorisation holds the whole
     stack; per layer it would run one small QR per layer and leaf), and any method with
     gradient_compression.warmup_steps (the float32-or-compressed choice reads the step, which the
     backward does not see)."""
