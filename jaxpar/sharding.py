@@ -81,9 +81,33 @@ class Plan:
                     )
             used.update(mesh_axes)
             out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes))
+        if use in ("grad", "opt") and self.zero_stage < 3 and shape is not None:
+            out = self._zero_outermost(axes, shape, out)
         while out and out[-1] is None:
             out.pop()
         return P(*out)
+
+    def _zero_outermost(self, axes, shape, out: list) -> list:
+        """ZeRO-1/2's gradient and optimizer shards over `fsdp` on the outermost dim that takes
+        them (not `layers`: the layer scan slices it; not a dim another mesh axis splits; one
+        fsdp divides). Below ZeRO-3 the params are whole, so any dim gives the same bytes; the
+        outermost makes the reduce-scatter, the shard's update and the all-gather contiguous
+        blocks, where the rules' dim (`embed`, the last of w_down and wo) has XLA transpose
+        each gradient around a strided collective: on XLA:CPU 3x the time of the same
+        reduce-scatter over dim 0 (docs/benchmarks.md, overhead). ZeRO-3 keeps the rules' dim:
+        there the params are sharded for the compute, and their gradients follow them."""
+        n = self.mesh.shape.get(ZERO_AXIS, 1)
+        at = [i for i, e in enumerate(out) if e == ZERO_AXIS]
+        if n == 1 or not at:
+            return out
+        for i, (logical, size) in enumerate(zip(axes, shape)):
+            if i >= at[0]:
+                break
+            if out[i] is None and logical != "layers" and size % n == 0:
+                out = list(out)
+                out[i], out[at[0]] = ZERO_AXIS, None
+                break
+        return out
 
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
