@@ -4,7 +4,9 @@ The model names its dims (`embed`, `heads`, `mlp`, ...); a rules table maps each
 The same parameter gets a different spec depending on what it is used for:
   - params:     `fsdp` kept only at ZeRO-3,
   - opt state:  `fsdp` kept from ZeRO-1,
-  - gradients:  `fsdp` kept from ZeRO-2 (reduce-scattered, not all-reduced).
+  - gradients:  `fsdp` kept from ZeRO-2 (reduce-scattered, not all-reduced);
+below ZeRO-3 the gradient and optimizer shards take `fsdp` on their outermost dim that it divides
+(contiguous blocks: Plan._zero_outermost), ZeRO-3 on the dim the rules name.
 The plan is data you can print (`Plan.table`). It also says in which order the `layers` dim is
 stored (`layer_rounds`, see `Plan.layer_order`): the pipeline's interleaved schedule wants each
 device's layers in the order it runs them.
