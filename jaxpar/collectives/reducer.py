@@ -36,7 +36,7 @@ from jaxpar.collectives.base import Compressor, Group, unchecked
 from jaxpar.collectives.methods import make_compressor
 from jaxpar.collectives.powersgd import PowerSGD, init_q, matrix_split
 from jaxpar.config import ConfigError
-from jaxpar.parallel.data import layer_spec, reduce_scatter, scatter_microbatch_grads, sharded_dims
+from jaxpar.parallel.data import layer_spec, reduce_scatter, scatter_microbatch_grads
 from jaxpar.parallel.sync import GradientSync, flat_paths, is_spec, key_path
 from jaxpar.sharding import ZERO_AXIS, entry_axes, vary, varying_axes
 
@@ -110,8 +110,8 @@ class GradientReducer(GradientSync):
     (`layer_state`; the new residuals are a second buffer beside the old ones, +3.7 MB temp for
     int8 on the quickstart model: docs/benchmarks.md). After the scan stay: PowerSGD (Q is
     warm-started from the last step's and orthogonalised across the stacked matrices of a leaf,
-    and its factorisation holds the whole
-    stack; per layer it would run one small QR per layer and leaf), and any method with
+    and its factorisation holds the whole stack; per layer it would run one small QR per layer
+    and leaf), and any method with
     gradient_compression.warmup_steps (the float32-or-compressed choice reads the step, which the
     backward does not see)."""
 
@@ -146,13 +146,10 @@ class GradientReducer(GradientSync):
             self.zero1.append(self._zero1_dim(entries, opt, local))
         final = [o if d is not None else s for s, o, d in zip(specs, opt_specs, self.zero1)]
         self.set_final_specs(jax.tree.unflatten(self.treedef, final))
-        self._grad_out, self._final_out = flat_paths(self.grad_out), flat_paths(self.final_out)
+        self._grad_out = flat_paths(self.grad_out)
         keys = [key_path(path) for path, _ in flat]
         if self.comp.per_slice and not cfg.warmup_steps:
-            # the layers dim must be whole on each device for a layer's slice to be reduced alone
-            whole = lambda spec: not sharded_dims(P(*spec[:1]), self.manual)
-            self.in_scan = frozenset(k for k, r in zip(keys, rests) if k in layered and r
-                                     and whole(self._grad_out[k]) and whole(self._final_out[k]))
+            self.in_scan = self.whole_layers(k for k, r in zip(keys, rests) if k in layered and r)
         self.layer_buckets = {k: self._bucket(rests[i], [i], self.zero1[i] is not None, layer=True)
                               for i, k in enumerate(keys) if k in self.in_scan}
         after = [i for i, k in enumerate(keys) if k not in self.in_scan]

@@ -191,10 +191,7 @@ class AllReduce(GradientSync):
         super().__init__(plan, grad_specs, opt_specs if plan.zero_stage == 1 else grad_specs, wire_dtype)
         self._grad_out, self._final_out = flat_paths(self.grad_out), flat_paths(self.final_out)
         if plan.mesh.shape.get("pipeline", 1) == 1:
-            # the layers dim must be whole on each device for a layer's slice to be reduced alone
-            whole = lambda spec: not sharded_dims(P(*spec[:1]), self.manual)
-            self.in_scan = frozenset(p for p in layered
-                                     if whole(self._grad_out[p]) and whole(self._final_out[p]))
+            self.in_scan = self.whole_layers(layered)
 
     def microbatch(self, grads, specs):
         return scatter_microbatch_grads(grads, specs, self.plan, self.manual, self.wire_dtype)

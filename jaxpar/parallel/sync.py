@@ -21,7 +21,7 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.sharding import Plan
+from jaxpar.sharding import Plan, entry_axes
 
 is_spec = lambda x: isinstance(x, P)
 
@@ -116,6 +116,14 @@ class GradientSync:
     def wrap(self, local_grads: Callable) -> Callable:
         """The shard_map body, adapted to what params_in hands it."""
         return local_grads
+
+    def whole_layers(self, paths) -> frozenset:
+        """The stacked leaves among `paths` whose layers dim (dim 0) `grad_out` and `final_out`
+        both keep whole on each device: only their gradients can be reduced a layer's slice at a
+        time inside the layer scan (`in_scan`)."""
+        grad, final = flat_paths(self.grad_out), flat_paths(self.final_out)
+        whole = lambda spec: not (len(spec) and any(a in self.manual for a in entry_axes(spec[0])))
+        return frozenset(p for p in paths if whole(grad[p]) and whole(final[p]))
 
     # ------------------------------------------------------------------ inside the shard_map
     def microbatch(self, grads, specs):
