@@ -2,6 +2,7 @@
 device and on data=2 x fsdp=2 x tensor=2, and equal to a plain numpy reference."""
 import json
 import math
+import time
 
 import jax
 import numpy as np
@@ -187,10 +188,24 @@ def test_fit_logs_eval_metrics(tmp_path, devices):
             seen.append(record)
 
     trainer = Trainer(cfg, devices=devices, log=lines.append, callbacks=[Seen()])
+    evaluate, took = trainer.evaluator, []
+
+    def slow_eval(params):  # compiles on its first call, and sleeps: seconds that are no step's
+        t0 = time.perf_counter()
+        out = evaluate(params)
+        time.sleep(1.0)
+        took.append(time.perf_counter() - t0)
+        return out
+
+    trainer.evaluator = slow_eval
     trainer.fit(out_dir=tmp_path / "run")
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r for r in recs if "eval_loss" in r}
     assert sorted(evals) == [2, 3]  # every 2 steps and at the last
+    # a step's time leaves its evaluation out (it used to hold it: the last step of every run read
+    # as the slowest, and benchmark means over a window ending there were 10-30% high)
+    for step, t in zip((2, 3), took):
+        assert evals[step]["step_time_s"] < t - 0.9, (evals[step], took)
     for r in evals.values():
         assert abs(r["eval_ppl"] - math.exp(r["eval_loss"])) < 1e-6 * r["eval_ppl"]
     assert any(line.startswith("step 2: eval_loss") for line in lines)

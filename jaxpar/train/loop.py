@@ -3,6 +3,7 @@ devices until the loop has to look at them, and the log records (throughput, MFU
 writers, progress bar, event log (`progress`) and callbacks."""
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,17 @@ class StepLog:
         for cb in tr.callbacks:
             cb.on_log(tr, rec)
         return rec
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (evaluation, a blocking checkpoint save) is no step's: step_time_s and
+        tokens_per_s leave it out, so a step that evaluates reads like the others. The caller waits
+        for the steps in flight first (their device time is training)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last += time.perf_counter() - t0
 
     def truncate(self, step: int) -> None:
         """Forget what was logged after `step` (a rollback to it)."""

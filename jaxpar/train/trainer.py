@@ -361,7 +361,9 @@ class Trainer:
                         batches = self._batches(step)
                         continue
                     if saving:
-                        self._save_blocking(ckpt, step, state)
+                        jax.block_until_ready(state)
+                        with log.paused():
+                            self._save_blocking(ckpt, step, state)
                     if preemption.should_stop(step):
                         self.preempted = preemption.requested
                         break
@@ -417,7 +419,9 @@ class Trainer:
         """At eval.every steps (and the last): the held-out loss added to `metrics`, and logged."""
         if self.evaluator is None or (step % self.cfg.eval.every and step != self.cfg.train.steps):
             return False
-        metrics.update(self.evaluator(state["params"]))
+        jax.block_until_ready(state)  # the step's own time stays in its step_time_s
+        with log.paused():
+            metrics.update(self.evaluator(state["params"]))
         msg = f"step {step}: eval_loss {metrics['eval_loss']:.4f}, eval_ppl {metrics['eval_ppl']:.2f}"
         log.bar.write(msg, self.log)
         return True
