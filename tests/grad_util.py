@@ -23,7 +23,7 @@ def grad_trainer(cfg, devices=None) -> tuple[Trainer, callable]:
 
 def place_batch(trainer: Trainer, batch) -> jax.Array:
     """A host [global_batch, seq+1] int array laid out as the trainer's step expects."""
-    return jax.device_put(np.asarray(batch, np.int32), trainer.spec.batch_sharding)
+    return trainer.put_batch(batch)
 
 
 def to_numpy(tree):

@@ -157,6 +157,56 @@ def test_context8_losses_equal_one_device(one_device, devices):
     assert got[-1]["loss"] < got[0]["loss"]
 
 
+# ------------------------------------------------------------------ the loader's share
+
+
+class Spy:
+    """A stream source (random access) that records which columns it was asked for."""
+
+    def __init__(self, source):
+        self.source, self.asked = source, []
+
+    def rows(self, *a):
+        raise AssertionError("a context run reads whole rows")
+
+    def columns(self, step, rows, seq_len, cols):
+        self.asked.append((tuple(rows.tolist()), tuple(cols.tolist())))
+        return self.source.columns(step, rows, seq_len, cols)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_loader_gives_each_context_device_only_its_tokens(layout, devices):
+    """data=2 x context=4: each device's shard of the batch is its own rows and, of each, its runs
+    of tokens (with the target after each run); a random-access source is asked for nothing
+    else; the step's whole_rows rebuilds the source's rows exactly."""
+    from jaxpar.data.loader import StreamSource
+    tr = Trainer(tiny_config(*MODEL, "mesh.data=2", "mesh.context=4", f"context.layout={layout}"),
+                 devices=devices, log=lambda s: None)
+    seq, batch, n = tr.cfg.train.seq_len, tr.cfg.train.global_batch, tr.mesh.shape["context"]
+    stream = StreamSource(np.random.default_rng(0).integers(0, 256, 5000).astype(np.int32), 3, "test")
+    spy = Spy(stream)
+    tr.loader.source = spy
+    got = tr.loader.batch(5)
+    want = stream.rows(5, np.arange(batch), seq)
+    runs = 2 if layout == "zigzag" else 1
+    run = seq // (runs * n)
+    coords = {d: c for c, d in np.ndenumerate(tr.mesh.devices)}
+    names = tr.mesh.axis_names
+    for shard in got.addressable_shards:
+        at = dict(zip(names, coords[shard.device]))
+        rows = np.arange(batch).reshape(2, -1)[at["data"]]
+        starts = [at["context"] * run, (2 * n - 1 - at["context"]) * run][:runs]
+        cols = np.concatenate([np.arange(a, a + run + 1) for a in starts])
+        assert shard.data.shape == (len(rows), runs * (run + 1))
+        np.testing.assert_array_equal(np.asarray(shard.data), want[rows][:, cols])
+    # asked once per distinct (rows, columns) shard: 2 row blocks x 4 context devices
+    assert len(spy.asked) == 8 and len(set(spy.asked)) == 8
+    assert all(len(cols) == runs * (run + 1) for _, cols in spy.asked)
+    rebuilt = jax.jit(tr.spec.batch_layout.whole_rows)(got)
+    np.testing.assert_array_equal(np.asarray(rebuilt), want)
+    np.testing.assert_array_equal(np.asarray(tr.put_batch(want)), np.asarray(got))
+
+
 # ------------------------------------------------------------------ compiled structure
 
 LONG = ["model.preset=tiny", "train.global_batch=1", "model.attention=blockwise", "model.attention_block=256"]

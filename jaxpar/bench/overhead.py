@@ -218,8 +218,7 @@ def compiled_structure(cfg: Config) -> dict:
     and the bf16 dots left to XLA:CPU's naive emitter, per step. Call with jaxpar's XLA options
     applied (jaxpar.xla.apply_xla_flags) before JAX starts."""
     trainer = Trainer(cfg, log=lambda s: None)
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.train.seq_len + 1), jnp.int32,
-                                 sharding=trainer.spec.batch_sharding)
+    batch = trainer.abstract_batch()
     state = jax.eval_shape(trainer.init_fn, cfg.train.seed)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state,
                          trainer.spec.state_shardings)

@@ -60,8 +60,7 @@ def step_row(cfg: Config, impl: str, packed: bool, eos: int) -> dict:
     trainer = Trainer(c, log=lambda s: None)
     step = trainer.make_step(documents=Documents(eos) if packed else None)
     state = trainer.abstract_state_sharded()
-    batch = jax.ShapeDtypeStruct((c.train.global_batch, STEP_SEQ + 1), jnp.int32,
-                                 sharding=trainer.spec.batch_sharding)
+    batch = trainer.abstract_batch()
     compiled = step.lower(state, batch).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

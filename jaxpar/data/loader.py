@@ -54,6 +54,21 @@ class StreamSource:
             binfile.check_ids(out, self.vocab_size, self.name)
         return out.astype(np.int32)
 
+    def columns(self, step: int, row_indices: np.ndarray, seq_len: int, cols: np.ndarray) -> np.ndarray:
+        """rows(...)[:, cols], reading only those tokens of each window (a context device's share)."""
+        n, length = int(self.tokens.shape[0]), seq_len + 1
+        if n < length:
+            return self.rows(step, row_indices, seq_len)  # its error
+        offsets = row_keys(self.seed, step, row_indices) % np.uint64(n - length + 1)
+        cuts = np.flatnonzero(np.diff(cols) != 1) + 1  # the contiguous runs of `cols`
+        runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(cols, cuts)]
+        out = np.empty((len(offsets), len(cols)), dtype=self.tokens.dtype)
+        for i, o in enumerate(offsets.tolist()):  # contiguous reads: cheap on a memmap
+            out[i] = np.concatenate([self.tokens[o + a : o + b] for a, b in runs])
+        if self.vocab_size is not None:
+            binfile.check_ids(out, self.vocab_size, self.name)
+        return out.astype(np.int32)
+
 
 @dataclass(frozen=True)
 class HeldOutSteps:
@@ -137,23 +152,33 @@ def _packed_bin(tokens, path: str, seed: int, name: str, vocab_size: int) -> pac
 
 
 def global_batch(
-    source: TokenSource, step: int, global_batch: int, seq_len: int, sharding: jax.sharding.Sharding
+    source: TokenSource, step: int, global_batch: int, seq_len: int, sharding: jax.sharding.Sharding,
+    columns: np.ndarray | None = None,
 ) -> jax.Array:
-    """The step's int32 [global_batch, seq_len + 1] batch as one global array with `sharding`.
+    """The step's int32 [global_batch, seq_len + 1] batch as one global array with `sharding`;
+    with `columns` (context parallelism: parallel/context.loader_columns), [global_batch,
+    len(columns)]: those positions of each row, in that order, dim 1 split by the sharding.
 
-    Each process computes only the rows of its addressable shards; shards that repeat the same
-    rows (replicated over non-batch axes) are computed once."""
-    shape = (global_batch, seq_len + 1)
+    Each process computes only the rows of its addressable shards, and of those only the
+    columns its shards hold when the source reads windows (`TokenSource.columns`); shards that
+    repeat the same rows and columns (replicated over other axes) are computed once."""
+    shape = (global_batch, seq_len + 1 if columns is None else len(columns))
     all_rows = np.arange(global_batch)
-    done: dict[tuple[int, int, int], np.ndarray] = {}
+    done: dict[tuple, np.ndarray] = {}
 
     def shard(index: tuple[slice, ...]) -> np.ndarray:
         rows_slice = index[0] if index else slice(None)
-        key = rows_slice.indices(global_batch)
+        cols = index[1] if len(index) > 1 else slice(None)
+        key = (rows_slice.indices(global_batch), cols.indices(shape[1]))
         if key not in done:
-            done[key] = source.rows(step, all_rows[rows_slice], seq_len)
-        block = done[key]
-        return block[(slice(None), *index[1:])] if len(index) > 1 else block
+            rows = all_rows[rows_slice]
+            if columns is None:
+                done[key] = source.rows(step, rows, seq_len)[:, cols]
+            elif hasattr(source, "columns"):
+                done[key] = source.columns(step, rows, seq_len, columns[cols])
+            else:  # sources that build a row as a whole (synthetic, packed): then cut
+                done[key] = source.rows(step, rows, seq_len)[:, columns[cols]]
+        return done[key]
 
     return jax.make_array_from_callback(shape, sharding, shard)
 
@@ -163,9 +188,11 @@ class DataLoader:
     checkpoint only needs `state_dict()` (or the train step) and resuming replays nothing."""
 
     def __init__(
-        self, source: TokenSource, global_batch: int, seq_len: int, sharding: jax.sharding.Sharding
+        self, source: TokenSource, global_batch: int, seq_len: int, sharding: jax.sharding.Sharding,
+        columns: np.ndarray | None = None,
     ) -> None:
         self.source = source
+        self.columns = columns  # context parallelism: each row's columns in its devices' order
         self.global_batch = global_batch
         self.seq_len = seq_len
         self.sharding = sharding
@@ -173,7 +200,7 @@ class DataLoader:
 
     def batch(self, step: int) -> jax.Array:
         """The batch of `step` (pure: same step, same batch; does not move `position`)."""
-        return global_batch(self.source, step, self.global_batch, self.seq_len, self.sharding)
+        return global_batch(self.source, step, self.global_batch, self.seq_len, self.sharding, self.columns)
 
     def prefetch(self, steps: Iterable[int], depth: int) -> "Prefetcher":
         """The batches of `steps`, in order, built up to `depth` ahead by a background thread."""

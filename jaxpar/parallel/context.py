@@ -1,7 +1,10 @@
 """Context parallelism over the mesh axis `context`: each device holds 1/C of every sequence.
 
-The step's shard_map is manual over `context` (parallel/sync.step_manual_axes). The batch
-arrives whole on every context device; `ContextParallel.split` takes this device's tokens,
+The step's shard_map is manual over `context` (parallel/sync.step_manual_axes). The loader lays
+each row out device by device (`loader_columns`) with the columns sharded over `context`, so a
+host builds and sends each device only its own tokens; the step rebuilds the rows (an int32
+all-gather) for the document fields, which are cumulative over the whole row, and inside the
+shard_map `ContextParallel.split` takes this device's tokens,
 targets and their global positions (RoPE and the causal mask need them), and the model's
 attention runs through the strategy's hook (nn.Context.attention):
 
@@ -29,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxpar import attention as attention_ops
 from jaxpar.attention.blockwise import (F32, State, block_backward, block_forward, finish, init_state, loop,
@@ -68,6 +72,28 @@ def gathered_order(layout: str, size: int, seq: int) -> np.ndarray:
     return np.concatenate([s + np.arange(n) for d in range(size) for s in chunk_starts(layout, size, seq, d)])
 
 
+def loader_columns(layout: str, size: int, seq: int) -> np.ndarray:
+    """The positions (of a row's seq + 1 tokens) the loader lays out on the batch's dim 1: device
+    by device, each of its runs with the token after it (the run's last target). Dim 1 then splits
+    evenly over `context` and each device's shard, so each host's, is only its own tokens."""
+    n = run_length(layout, size, seq)
+    return np.concatenate([np.arange(s, s + n + 1) for d in range(size)
+                           for s in chunk_starts(layout, size, seq, d)])
+
+
+def rows_of_columns(tokens: jax.Array, layout: str, size: int) -> jax.Array:
+    """[b, seq + 1] rows from the loader's columns (loader_columns). Under jit with dim 1 sharded
+    over `context`, an all-gather of int32 token ids: 4 bytes a token, once a step, beside the
+    K/V chunks every layer sends around the ring (document ids and positions are cumulative
+    over the whole row, so the rows are rebuilt before the step splits them again)."""
+    runs = size * (2 if layout == "zigzag" else 1)
+    seq = (tokens.shape[1] // runs - 1) * runs
+    cols = loader_columns(layout, size, seq)
+    first = np.empty(seq + 1, np.int64)
+    first[cols[::-1]] = np.arange(len(cols))[::-1]  # a position's first column (run ends repeat)
+    return jnp.take(tokens, jnp.asarray(first, jnp.int32), axis=1)
+
+
 # ---------------------------------------------------------------- the strategy object
 
 
@@ -98,11 +124,31 @@ class ContextParallel:
         return type(rows)(take(rows.inputs), take(rows.targets), take(rows.segment_ids), pos,
                           take(rows.weights))
 
+    def columns(self, seq: int) -> np.ndarray | None:
+        """The loader's layout of each row under this split (loader_columns); None: whole rows."""
+        return None if self.size == 1 else loader_columns(self.layout, self.size, seq)
+
+    def whole_rows(self, tokens: jax.Array) -> jax.Array:
+        """The [b, seq + 1] rows of a batch the loader laid out in `columns` (the identity at size 1)."""
+        return tokens if self.size == 1 else rows_of_columns(tokens, self.layout, self.size)
+
     def attention(self) -> Callable | None:
         """The nn.Context.attention hook (None: attention on this device)."""
         if self.size == 1:
             return None
         return functools.partial(ring_attention if self.strategy == "ring" else ulysses_attention, self)
+
+
+def loader_split(plan: Plan, cfg: Any) -> tuple[ContextParallel, jax.sharding.NamedSharding]:
+    """How the loader lays out and shards the batch: (the split of mesh.context, or the identity;
+    the batch's sharding: rows over the batch axes and, under context parallelism, each row's
+    columns over `context`)."""
+    size = plan.mesh.shape.get(AXIS, 1)
+    if size == 1:
+        return ContextParallel(), plan.sharding(plan.batch_spec())
+    cfg = cfg or ContextConfig()
+    return (ContextParallel(size, cfg.strategy, cfg.layout),
+            plan.sharding(P(plan.batch_axes or None, AXIS)))
 
 
 def make_context(plan: Plan, cfg: Any, manual: frozenset[str]) -> ContextParallel:

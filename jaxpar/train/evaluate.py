@@ -27,13 +27,15 @@ from jaxpar.train.precision import DTYPES
 
 
 def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, compute_dtype: str,
+                   batch_layout: Any = None,
                    loss_sum_fn: Callable = cross_entropy_sum, loss_chunk: int | None = None,
                    documents: Documents | None = None, context: Any = None) -> Callable:
     """A jitted eval(params, tokens) -> (summed token NLL, counted targets) of the global
     [batch, seq + 1] batch (with `documents`, data.packing: the targets the train loss counts).
     `params` are the train state's params, in their plan (`param_specs`). The pipeline axis (if
     any) is left to the compiler: the forward runs unstaged, the layer stack gathered by XLA.
-    `context` (config.ContextConfig): how sequences split over mesh.context."""
+    `context` (config.ContextConfig): how sequences split over mesh.context; `batch_layout`
+    (StepSpec.batch_layout): how the loader laid the rows out (None: whole rows)."""
     sizes = plan.mesh.shape
     manual = frozenset(plan.batch_axes) | ({CONTEXT_AXIS} if sizes.get(CONTEXT_AXIS, 1) > 1 else set())
     busy = tuple(sorted(a for a in manual if sizes[a] > 1))  # sorted: the psum's rounding is fixed
@@ -59,6 +61,8 @@ def make_eval_step(model: ModelDef, plan: Plan, param_specs, batch_sharding, *, 
 
     def evaluate(params, tokens):
         # the forward runs the layers in the model's order (interleaved storage: Plan.layer_order)
+        if batch_layout is not None:
+            tokens = batch_layout.whole_rows(tokens)
         return sharded(plan.reorder_layers(params, model.axes, "canonical"), as_batch(tokens))
 
     param_shardings = jax.tree.map(plan.sharding, param_specs, is_leaf=is_spec)

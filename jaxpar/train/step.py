@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar.parallel.context import ContextParallel, loader_split
 from jaxpar.parallel.sync import GradientSync, is_spec
 from jaxpar.sharding import Plan, vary
 from jaxpar.train.accumulate import make_accumulation
@@ -43,6 +44,7 @@ class StepSpec:
     state_shardings: Any
     batch_sharding: NamedSharding
     sync: GradientSync
+    batch_layout: ContextParallel = ContextParallel()  # the loader's row layout (columns over context)
 
 
 def _is_axes(x) -> bool:
@@ -51,7 +53,9 @@ def _is_axes(x) -> bool:
 
 def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation, compression: Any = None,
                    optimizer: Any = None, local_sgd: Any = None,
-                   grad_reduce_dtype: str = "float32", grad_accum: int = 1) -> StepSpec:
+                   grad_reduce_dtype: str = "float32", grad_accum: int = 1, context: Any = None) -> StepSpec:
+    """The step's shardings. `context` (config.ContextConfig): under mesh.context the loader
+    lays each row out in its devices' columns (parallel/context.loader_split)."""
     specs = {use: jax.tree.map(lambda ax, s, use=use: plan.spec(ax, s.shape, use), model.axes, model.shapes,
                                is_leaf=_is_axes) for use in ("param", "grad", "opt")}
     to_sh = lambda spec: plan.sharding(spec)
@@ -63,7 +67,8 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
                      wire_dtype=DTYPES[grad_reduce_dtype], accumulating=grad_accum > 1)
     shardings = sync.state_shardings({"step": to_sh(P()), "opt_state": opt_shardings,
                                       "params": jax.tree.map(to_sh, specs["param"], is_leaf=is_spec)})
-    return StepSpec(specs["param"], specs["grad"], shardings, plan.sharding(plan.batch_spec()), sync)
+    layout, batch_sharding = loader_split(plan, context)
+    return StepSpec(specs["param"], specs["grad"], shardings, batch_sharding, sync, layout)
 
 
 def make_init(model: ModelDef, plan: Plan, tx, spec: StepSpec, param_dtype) -> Callable[[int], dict]:
@@ -94,7 +99,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
                     skip_nonfinite: bool = False, return_grads: bool = False,
                     documents: Documents | None = None, context: Any = None):
     """Returns a jitted step(state, tokens) -> (state, metrics). `tokens` is the global
-    [batch, seq+1] int array sharded over the batch axes. With `skip_nonfinite`, a step whose loss
+    [batch, seq+1] int array sharded over the batch axes (under mesh.context, each row's columns
+    in the loader's layout, spec.batch_layout). With `skip_nonfinite`, a step whose loss
     or gradient norm is not finite leaves the state unchanged but for the step counter and reports
     metrics["nonfinite"] = 1. metrics["lr"] is the schedule at the optimizer's own count (the
     learning rate applied this step). With `return_grads` (a debug aid: tests/grad_util.py)
@@ -154,6 +160,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     grad_shardings = sync.grad_shardings()
 
     def step(state, tokens):
+        tokens = spec.batch_layout.whole_rows(tokens)
         (loss, aux), grads, comm = sharded_grads(sync.params_in(state), as_batch(tokens),
                                                  state.get("comm", {}), sync.extra_inputs(state))
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)

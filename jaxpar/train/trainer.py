@@ -75,7 +75,7 @@ class Trainer:
         self.spec = make_step_spec(self.model, self.plan, self.tx, compression=cfg.gradient_compression,
                                    optimizer=cfg.optimizer, local_sgd=cfg.local_sgd,
                                    grad_reduce_dtype=cfg.train.grad_reduce_dtype,
-                                   grad_accum=cfg.train.grad_accum)
+                                   grad_accum=cfg.train.grad_accum, context=cfg.context)
         named = {}
         flat_specs = self.model.leaves_with_paths(self.spec.param_specs)
         for path, sds in self.model.leaves_with_paths(self.model.shapes).items():
@@ -120,7 +120,8 @@ class Trainer:
         cfg = self.cfg
         step = make_eval_step(self.model, self.plan, self.spec.param_specs, self.spec.batch_sharding,
                               compute_dtype=cfg.train.compute_dtype, loss_chunk=cfg.train.loss_chunk,
-                              documents=self.documents, context=cfg.context)
+                              documents=self.documents, context=cfg.context,
+                              batch_layout=self.spec.batch_layout)
         return Evaluator(step, self._loader("eval"), cfg.eval.batches)
 
     def _loader(self, split: str) -> DataLoader:
@@ -128,7 +129,22 @@ class Trainer:
         cfg = self.cfg
         vocab = getattr(cfg.model, "vocab_size", 256)
         return DataLoader(build_source(cfg.data, vocab, cfg.train.seed, split=split), cfg.train.global_batch,
-                          cfg.train.seq_len, self.spec.batch_sharding)
+                          cfg.train.seq_len, self.spec.batch_sharding,
+                          columns=self.spec.batch_layout.columns(cfg.train.seq_len))
+
+    def put_batch(self, rows) -> jax.Array:
+        """Host rows [global_batch, seq_len + 1] of token ids, placed as the step takes them (under
+        mesh.context, each row's columns in the loader's layout)."""
+        rows = np.asarray(rows, np.int32)
+        cols = self.spec.batch_layout.columns(self.cfg.train.seq_len)
+        return jax.device_put(rows if cols is None else rows[:, cols], self.spec.batch_sharding)
+
+    def abstract_batch(self) -> jax.ShapeDtypeStruct:
+        """The step's batch argument: shape, dtype and sharding (a compile target)."""
+        t = self.cfg.train
+        cols = self.spec.batch_layout.columns(t.seq_len)
+        width = t.seq_len + 1 if cols is None else len(cols)
+        return jax.ShapeDtypeStruct((t.global_batch, width), jnp.int32, sharding=self.spec.batch_sharding)
 
     def _flops_per_token(self, custom: bool) -> float:
         n = self.model.n_params
@@ -155,11 +171,8 @@ class Trainer:
         """The compiled step (AOT), for its memory analysis and HLO."""
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              self.abstract_state(), self.spec.state_shardings)
-        t = self.cfg.train
-        batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), jnp.int32,
-                                     sharding=self.spec.batch_sharding)
         t0 = time.perf_counter()
-        self.compiled = self.step_fn.lower(state, batch).compile()
+        self.compiled = self.step_fn.lower(state, self.abstract_batch()).compile()
         if self.events is not None:
             self.events("compiled", seconds=time.perf_counter() - t0)
         return self.compiled
