@@ -107,7 +107,8 @@ def experts(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable
     """Mixture-of-experts MLP of tokens x [groups, seq, embed] routed to experts `expert_idx`
     [groups, seq, k] with weights `gates`: returns (y like x, fraction of assignments dropped).
     `ffn(h [experts, tokens, embed])` and `ragged_ffn(rows [m, embed], group_sizes [experts])` run
-    the experts whose weights this device holds. See jaxpar.parallel.expert.moe_apply for `kw`."""
+    the experts whose weights this device holds. See jaxpar.parallel.expert.moe_apply for `kw`
+    (token_weights: the tokens to route; weight-0 ones take no capacity and get zeros)."""
     fn = _CTX.get().experts or _default_experts
     if fn is None:
         raise RuntimeError("jaxpar.nn.experts: no MoE dispatch; import jaxpar.parallel.expert (the local "

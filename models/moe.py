@@ -14,7 +14,10 @@ each averaged over the MoE layers. With `token_weights` [batch, seq] (packed doc
 padding and each document's closing EOS, the tokens the LM loss does not count) the router's
 statistics count only weighted tokens: f_e, P_e, the z loss and the load are weighted means per
 sequence, averaged over sequences (a sequence is a whole row on every layout, so the step's
-average over devices stays the one-device value).
+average over devices stays the one-device value). The dispatch gets them too: a weight-0 token
+takes no expert capacity (padding at a row's end would otherwise crowd out real tokens' later
+choices), its MoE output is zero, and the dropped fraction is over the weighted tokens'
+assignments only, per sequence.
 """
 from __future__ import annotations
 
@@ -125,7 +128,8 @@ class MoE(nnx.Module):
         """h [batch, seq, embed] -> (y, aux) with aux as in AUX_KEYS (this layer's values).
         `dispatch` overrides moe.dispatch (decoding is dropless: a token's output never depends
         on which other tokens share its step); `token_weights` [batch, seq]: the tokens the
-        router losses and the load count (None: all)."""
+        router losses and the load count and the experts see (None: all; weight-0 tokens take
+        no capacity and get y = 0 from the experts, a shared expert still runs on them)."""
         m = self.moe
         logits, probs, idx, gates = self.route(h)
         wg, wu, wd = self.w_gate[...], self.w_up[...], self.w_down[...]
@@ -133,7 +137,8 @@ class MoE(nnx.Module):
             h, idx, gates.astype(h.dtype),
             lambda x: swiglu_experts(x, wg, wu, wd),
             lambda rows, sizes: swiglu_ragged(rows, sizes, wg, wu, wd),
-            num_experts=m.num_experts, dispatch=dispatch or m.dispatch, capacity_factor=m.capacity_factor)
+            num_experts=m.num_experts, dispatch=dispatch or m.dispatch, capacity_factor=m.capacity_factor,
+            token_weights=token_weights)
         if m.shared_expert:
             g = jnp.einsum("bsd,df->bsf", h, self.shared_gate[...])
             u = jnp.einsum("bsd,df->bsf", h, self.shared_up[...])
@@ -214,7 +219,7 @@ class MoELlama(nnx.Module):
     def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None, token_weights: jax.Array | None = None) -> jax.Array:
         """As models.llama.Llama (segment_ids, positions [batch, seq] optional); token_weights
-        [batch, seq]: the tokens the router losses and the load count (None: all)."""
+        [batch, seq]: the tokens the router losses count and the experts route (None: all)."""
         cfg, m = self.cfg, self.cfg.moe
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
         cos, sin = model_rope(cfg, tokens.shape[1] if positions is None else positions)

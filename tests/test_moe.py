@@ -1,5 +1,6 @@
-"""Mixture of experts: the layer on expert-parallel meshes vs a dense loop, the capacity rule,
-the router losses, config errors, the Mixtral counts, and training the small MoE preset."""
+"""Mixture of experts: the layer on expert-parallel meshes vs a dense loop, the capacity rule
+(padding of packed rows taking no capacity), the router losses, config errors, the Mixtral
+counts, and training the small MoE preset."""
 import json
 
 import jax
@@ -111,20 +112,29 @@ def test_local_layer_matches_dense_loop(layer, reference):
         np.testing.assert_allclose(y, reference[0][1], rtol=1e-5, atol=1e-6)
 
 
-def numpy_capacity_keep(idx: np.ndarray, num_experts: int, cap: int) -> np.ndarray:
-    """The capacity rule, one sequence at a time: first choices in token order, then second
-    choices, ...; an assignment is kept while its expert has fewer than `cap` tokens."""
+def numpy_capacity_slots(idx: np.ndarray, num_experts: int, cap: int, valid: np.ndarray | None = None):
+    """The capacity rule, one sequence at a time: (slot, keep) [G, S, k]. First choices in token
+    order, then second choices, ...; an assignment takes its expert's next slot while the expert
+    has fewer than `cap` tokens. With `valid` [G, S] the row is routed as if its invalid tokens
+    were not there: they take nothing (slot E*cap, keep False)."""
     G, S_, k = idx.shape
+    valid = np.ones((G, S_), bool) if valid is None else valid
     keep = np.zeros(idx.shape, bool)
+    slot = np.full(idx.shape, num_experts * cap)
     for g in range(G):
         used = np.zeros(num_experts, int)
+        tokens = np.flatnonzero(valid[g])  # the row with its invalid tokens removed
         for c in range(k):
-            for s in range(S_):
+            for s in tokens:
                 e = idx[g, s, c]
                 if used[e] < cap:
-                    keep[g, s, c] = True
+                    keep[g, s, c], slot[g, s, c] = True, e * cap + used[e]
                     used[e] += 1
-    return keep
+    return slot, keep
+
+
+def numpy_capacity_keep(idx: np.ndarray, num_experts: int, cap: int) -> np.ndarray:
+    return numpy_capacity_slots(idx, num_experts, cap)[1]
 
 
 def test_dropped_tokens_follow_capacity_rule():
@@ -342,3 +352,154 @@ def test_expert_parallel_training_matches_one_device(trained, one_device):
 
 
 # fsdp x expert x tensor (ZeRO-3): tests/test_layout_grads.py compares its gradients.
+
+
+# --------------------------------------------------------------------------- packed rows: padding
+
+def packed_weights() -> np.ndarray:
+    """Token weights [B, S] of packed rows: padding at the end of rows (after the documents, as the
+    packer leaves it), documents' closing EOS inside rows, and one row all padding."""
+    w = np.ones((B, S), np.float32)
+    w[0, 5:] = 0.0
+    w[3, 2:] = 0.0
+    w[5, ::3] = 0.0
+    w[6, 4:] = 0.0
+    w[7, :] = 0.0
+    return w
+
+
+def numpy_moe(params, x, w, cap: int | None):
+    """float64 numpy MoE layer over the tokens of weight > 0 only: (expert_idx, keep, y, dropped
+    fraction). `cap` None: dropless. The router is the layer's (softmax, top-K, renormalized
+    gates); capacity is assigned as if the weight-0 tokens were removed from their row (the
+    capacity itself stays the row's); y is zero for them; the dropped fraction is per row over its
+    valid assignments, averaged over rows (a row without any counts 0)."""
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    x = np.asarray(x, np.float64)
+    valid = np.asarray(w) > 0
+    logits = x @ p["router"]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    idx = np.argsort(-probs, axis=-1, kind="stable")[..., :K]
+    top = np.take_along_axis(probs, idx, -1)
+    gates = top / top.sum(-1, keepdims=True)
+    if cap is None:
+        keep = np.broadcast_to(valid[..., None], idx.shape).copy()
+    else:
+        keep = numpy_capacity_slots(idx, E, cap, valid)[1]
+    silu = lambda a: a / (1 + np.exp(-a))
+    y = np.zeros_like(x)
+    for e in range(E):
+        g = (gates * (idx == e) * keep).sum(-1)[..., None]
+        y += g * ((silu(x @ p["w_gate"][e]) * (x @ p["w_up"][e])) @ p["w_down"][e])
+    n = valid.sum(1) * K
+    dropped = np.where(n > 0, 1 - keep.sum((1, 2)) / np.maximum(n, 1), 0.0).mean()
+    return idx, keep, y, dropped
+
+
+def test_padding_takes_no_capacity_slots():
+    """(a) Only valid tokens take slots, in the priority order of the valid tokens alone: slots and
+    keep equal a numpy loop over each row with its invalid tokens removed."""
+    G, S_, k, n = 4, 16, 2, 4
+    logits = jax.random.normal(jax.random.key(0), (G, S_, n)) + jnp.array([2.0, 0.5, 0, 0])  # skewed
+    idx = np.asarray(jax.lax.top_k(logits, k)[1])
+    cap = capacity(S_, k, n, 0.75)
+    valid = np.ones((G, S_), bool)
+    valid[0, 10:] = False  # padding at the end of a row
+    valid[1, ::4] = False  # closing EOS inside a row
+    valid[2, :] = False
+    slot, keep = jax.jit(capacity_slots, static_argnums=(1, 2))(jnp.asarray(idx), n, cap, jnp.asarray(valid))
+    ref_slot, ref_keep = numpy_capacity_slots(idx, n, cap, valid)
+    np.testing.assert_array_equal(np.asarray(keep), ref_keep)
+    np.testing.assert_array_equal(np.asarray(slot), ref_slot)
+    assert not ref_keep[~valid].any() and (np.asarray(slot)[~valid] == n * cap).all()
+    # the padding matters here: routed with it, valid tokens would lose (or gain) slots
+    old_keep = numpy_capacity_keep(idx, n, cap)
+    assert (old_keep[valid] != ref_keep[valid]).any()
+    # unpacked (no mask) and an all-valid mask assign the same slots
+    np.testing.assert_array_equal(np.asarray(capacity_slots(jnp.asarray(idx), n, cap)[0]),
+                                  np.asarray(capacity_slots(jnp.asarray(idx), n, cap, jnp.ones((G, S_), bool))[0]))
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_padding_output_and_dropped_fraction_equal_numpy_without_it(layer, dispatch):
+    """(b, c) The layer with token weights: its output on valid tokens equals a float64 numpy MoE
+    that routes each row with the weight-0 tokens removed; weight-0 tokens get exactly 0 from the
+    experts; moe/dropped_fraction is over valid assignments only."""
+    graphdef, state, params, x, _ = layer
+    cf = 1.0  # capacity 2 of 16 assignments per expert and row: drops, and padding would take slots
+    moe_cfg = layer_cfg(f"model.moe.dispatch={dispatch}", f"model.moe.capacity_factor={cf}").moe
+    w = packed_weights()
+
+    @jax.jit
+    def run(p, x, w):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, p)
+        module = nnx.merge(graphdef, st)
+        module.moe = moe_cfg
+        return module(x, token_weights=w)
+
+    y, aux = run(params, x, jnp.asarray(w))
+    cap = capacity(S, K, E, cf) if dispatch == "capacity" else None
+    idx, keep, y_ref, dropped_ref = numpy_moe(params, x, w, cap)
+    np.testing.assert_array_equal(np.asarray(jax.lax.top_k(x @ params["router"], K)[1]), idx)
+    y = np.asarray(y)
+    assert not y[w == 0].any()
+    assert np.abs(y - y_ref).max() <= 1e-5 * np.abs(y_ref).max()
+    assert float(aux["dropped"]) == pytest.approx(dropped_ref, abs=1e-6)
+    if dispatch == "capacity":
+        assert 0 < dropped_ref
+        # the check can fail: routing the padding too changes valid tokens' outputs and the fraction
+        all_keep = numpy_capacity_keep(idx, E, cap)
+        assert (all_keep[w > 0] != keep[w > 0]).any()
+        assert abs((1 - all_keep.mean()) - dropped_ref) > 1e-3
+    else:
+        assert dropped_ref == 0
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_padding_under_expert_parallelism_matches_one_device(layer, devices, dispatch):
+    """(d) data=2 x expert=4, tokens all_to_all'd: output and gradients (params, input) of the
+    layer on packed, padded rows equal the one-device run; no gradient reaches a weight-0 token
+    through the experts."""
+    graphdef, state, params, x, r = layer
+    moe_cfg = layer_cfg(f"model.moe.dispatch={dispatch}", "model.moe.capacity_factor=1.0").moe
+    w = jnp.asarray(packed_weights())
+    data, expert = 2, 4
+    mesh = Mesh(np.array(devices[:data * expert]).reshape(data, expert), ("data", "expert"))
+    specs = {k: P("expert") if k.startswith("w_") else P() for k in params}
+    hook = lambda *a, **kw: moe_apply(*a, **kw, axis="expert", axis_size=expert)
+
+    def layer_fn(p, x, w):
+        st = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(st, p)
+        module = nnx.merge(graphdef, st)
+        module.moe = moe_cfg
+        y, aux = module(x, token_weights=w)
+        return y, aux["dropped"]
+
+    def local(p, xl, wl):
+        with nn.use_context(nn.Context(experts=hook)):
+            y, dropped = layer_fn(p, xl, wl)
+        return y, jax.lax.pmean(dropped, ("data", "expert"))
+
+    rows = P(("data", "expert"))
+    ep = jax.shard_map(local, mesh=mesh, in_specs=(specs, rows, rows), out_specs=(rows, P()))
+
+    def grads(fn, p, x, w):
+        def loss(p, x):
+            y, dropped = fn(p, x, w)
+            return (y * r).sum(), (y, dropped)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(p, x)
+
+    (l_ref, (y_ref, d_ref)), (g_ref, gx_ref) = grads(layer_fn, params, x, w)
+    put = lambda v, spec: jax.device_put(v, NamedSharding(mesh, spec))
+    (l, (y, d)), (g, gx) = grads(ep, {k: put(v, specs[k]) for k, v in params.items()}, put(x, rows), put(w, rows))
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(l, l_ref, rtol=1e-5)
+    assert float(d) == pytest.approx(float(d_ref), abs=1e-6)
+    np.testing.assert_allclose(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    for k in g_ref:
+        np.testing.assert_allclose(g[k], g_ref[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert not np.asarray(gx)[np.asarray(w) == 0].any()
+    assert np.asarray(gx)[np.asarray(w) > 0].any()

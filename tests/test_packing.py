@@ -288,10 +288,11 @@ def test_packed_step_loss_and_gradients_equal_the_per_document_reference(layout,
 
 
 def test_packed_moe_router_counts_only_real_tokens_and_equals_one_device(corpus, devices):
-    """The target weights reach the MoE router through the step (Rows.apply -> token_weights):
-    the step's router losses are the model's own over the packed rows with their weights (not
-    over every token), and data=2 x expert=4 gives the one-device loss, router losses and
-    gradients (router statistics are per sequence, and a sequence is a whole row everywhere)."""
+    """The target weights reach the MoE router and dispatch through the step (Rows.apply ->
+    token_weights): the step's router losses and dropped fraction are the model's own over the
+    packed rows with their weights (not over every token: padding takes no expert capacity), and
+    data=2 x expert=4 gives the one-device loss, router losses, dropped fraction and gradients
+    (these statistics are per sequence, and a sequence is a whole row everywhere)."""
     path, _ = corpus
     moe = ("model.preset=moe_tiny", "model.n_layers=2", "sharding.replicated_tolerance=1.0")
     one = Trainer(packed_cfg(path, *moe, "mesh.data=1"), devices=devices[:1], log=QUIET)
@@ -310,14 +311,14 @@ def test_packed_moe_router_counts_only_real_tokens_and_equals_one_device(corpus,
             model(batch.inputs, batch.segment_ids, token_weights=weights)
         return {k: v for k, (v, _) in out.items()}
     counted, every = sown(batch.weights), sown(jnp.ones_like(batch.weights))
-    for key in ("moe/load_balance_loss", "moe/z_loss"):
+    for key in ("moe/load_balance_loss", "moe/z_loss", "moe/dropped_fraction"):
         assert float(ref[key]) == pytest.approx(float(counted[key]), rel=1e-5), key
         assert abs(float(every[key]) - float(counted[key])) > 1e-5 * float(counted[key]), key
 
     ep = Trainer(packed_cfg(path, *moe, "mesh.data=2", "mesh.expert=4"), devices=devices, log=QUIET)
     _, got = ep.make_step(return_grads=True)(ep.init_state(), place_batch(ep, rows))
     got = to_numpy(got)
-    for key in ("loss", "aux_loss", "moe/load_balance_loss", "moe/z_loss", "moe/load/0"):
+    for key in ("loss", "aux_loss", "moe/load_balance_loss", "moe/z_loss", "moe/load/0", "moe/dropped_fraction"):
         assert float(got[key]) == pytest.approx(float(ref[key]), rel=1e-5), key
     errs = jax.tree.map(lambda g, r: float(np.abs(g - r).max() / (np.abs(r).max() + 1e-12)),
                         got["grads"], ref["grads"])

@@ -9,6 +9,13 @@ capacity  C = min(seq, ceil(capacity_factor * seq * k / E)) slots per expert per
           its expert full is dropped (it adds nothing; a token whose choices all drop passes
           through the residual only). Tokens are scattered into a [groups, E, C, embed] buffer.
 dropless  every assignment is computed: rows sorted by expert, `jax.lax.ragged_dot` per group.
+With `token_weights` [groups, seq] (packed documents), a weight-0 token (padding, a document's
+closing EOS) is no token to route: it takes no capacity slot (the valid tokens keep their priority
+order among themselves, so padding at a row's end cannot push real second choices out), is neither
+kept nor counted as dropped, and its output is zero in both modes (dropless computes it and drops
+it at the combine). It passes through the residual only: exact for the loss, since with document
+masking only its own, uncounted, prediction reads it. The mask is applied before any all_to_all,
+so expert parallelism routes exactly what one device routes.
 
 Inside the train step's shard_map, manual over the batch axes (so over `expert`), each device
 holds E/ep experts (the `expert` dim of their weights) and its own slice of the batch:
@@ -43,15 +50,33 @@ def capacity(seq_len: int, top_k: int, num_experts: int, factor: float) -> int:
     return max(1, min(seq_len, math.ceil(factor * seq_len * top_k / num_experts)))
 
 
-def capacity_slots(expert_idx: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
-    """expert_idx [G, S, k] -> (slot [G, S, k] in [0, E*cap], E*cap meaning dropped; keep [G, S, k])."""
+def capacity_slots(expert_idx: jax.Array, num_experts: int, cap: int,
+                   valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """expert_idx [G, S, k] -> (slot [G, S, k] in [0, E*cap], E*cap meaning dropped; keep [G, S, k]).
+    `valid` [G, S] bool: only these tokens take slots (the others get E*cap and keep False)."""
     G, S, k = expert_idx.shape
     order = jnp.swapaxes(expert_idx, 1, 2).reshape(G, k * S)          # priority: choice-major
     onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)      # [G, kS, E]
+    if valid is not None:  # an invalid token occupies nothing, so it shifts no later position
+        onehot = onehot * jnp.tile(valid, (1, k)).astype(jnp.int32)[..., None]
     pos = jnp.take_along_axis(jnp.cumsum(onehot, axis=1) - 1, order[..., None], axis=2)[..., 0]
     pos = jnp.swapaxes(pos.reshape(G, k, S), 1, 2)                    # [G, S, k]
     keep = pos < cap
+    if valid is not None:
+        keep = keep & valid[..., None]
     return jnp.where(keep, expert_idx * cap + pos, num_experts * cap), keep
+
+
+def dropped_fraction(keep: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """Dropped share of the valid (token, choice) assignments: per sequence, averaged over
+    sequences (a sequence with no valid token counts 0), so that every split of the batch
+    averages to the one-device value; without `valid`, of all assignments."""
+    if valid is None:
+        return 1.0 - keep.mean(dtype=jnp.float32)
+    k = keep.shape[-1]
+    n = valid.sum(axis=1, dtype=jnp.float32) * k                      # [G] valid assignments
+    kept = keep.sum(axis=(1, 2), dtype=jnp.float32)
+    return jnp.where(n > 0, 1.0 - kept / jnp.maximum(n, 1.0), 0.0).mean()
 
 
 def _dispatch(x: jax.Array, slot: jax.Array, n_slots: int) -> jax.Array:
@@ -71,9 +96,9 @@ def _combine(buf: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
     return jnp.einsum("gskd,gsk->gsd", picked, gates.astype(buf.dtype))
 
 
-def _capacity_moe(x, expert_idx, gates, ffn, E, cap, axis, ep):
+def _capacity_moe(x, expert_idx, gates, ffn, E, cap, axis, ep, valid=None):
     G, S, D = x.shape
-    slot, keep = capacity_slots(expert_idx, E, cap)
+    slot, keep = capacity_slots(expert_idx, E, cap, valid)
     buf = _dispatch(x, slot, E * cap).reshape(G, E, cap, D)
     if axis is not None:  # [G, E, C, D] -> [G, ep (source), E/ep, C, D] holding my experts' slots
         buf = jax.lax.all_to_all(buf, axis, 1, 1, tiled=True)
@@ -83,7 +108,7 @@ def _capacity_moe(x, expert_idx, gates, ffn, E, cap, axis, ep):
     if axis is not None:
         y = jax.lax.all_to_all(y, axis, 1, 1, tiled=True)
     out = _combine(y.reshape(G, E * cap, D), slot, gates)
-    return out, 1.0 - keep.mean(dtype=jnp.float32)
+    return out, dropped_fraction(keep, valid)
 
 
 def _sort_rows(ids: jax.Array, rows: jax.Array, n_groups: int):
@@ -127,19 +152,25 @@ def _dropless_moe(x, expert_idx, gates, ragged_ffn, E, axis, ep):
 
 def moe_apply(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable, ragged_ffn: Callable,
               *, num_experts: int, dispatch: str = "capacity", capacity_factor: float = 1.25,
-              axis: str | None = None, axis_size: int = 1) -> tuple[jax.Array, jax.Array]:
+              token_weights: jax.Array | None = None, axis: str | None = None,
+              axis_size: int = 1) -> tuple[jax.Array, jax.Array]:
     """The MoE MLP of x [G, S, D] (see the module doc): returns (y [G, S, D], dropped fraction).
 
-    With `axis` (a manual mesh axis of `axis_size` devices), this device holds experts
-    [i * E/ep, (i+1) * E/ep) for its index i on `axis`, and tokens travel by all_to_all."""
+    `token_weights` [G, S]: tokens of weight 0 are not routed (no slot, output 0, not in the
+    dropped fraction); None: every token is. With `axis` (a manual mesh axis of `axis_size`
+    devices), this device holds experts [i * E/ep, (i+1) * E/ep) for its index i on `axis`, and
+    tokens travel by all_to_all."""
     if axis is not None and axis_size == 1:
         axis = None
     if num_experts % axis_size:
         raise ConfigError(f"num_experts={num_experts} is not divisible by the {axis} axis ({axis_size})")
+    valid = None if token_weights is None else token_weights > 0
     if dispatch == "capacity":
         cap = capacity(x.shape[1], expert_idx.shape[-1], num_experts, capacity_factor)
-        return _capacity_moe(x, expert_idx, gates, ffn, num_experts, cap, axis, axis_size)
+        return _capacity_moe(x, expert_idx, gates, ffn, num_experts, cap, axis, axis_size, valid)
     if dispatch == "dropless":
+        if valid is not None:  # computed (fixed shapes) but not combined
+            gates = jnp.where(valid[..., None], gates, jnp.zeros_like(gates))
         return _dropless_moe(x, expert_idx, gates, ragged_ffn, num_experts, axis, axis_size)
     raise ValueError(f"unknown dispatch {dispatch!r}; valid: capacity, dropless")
 
