@@ -49,15 +49,17 @@ def reference(heads, kv_heads, segments):
     return (out, *vjp(do))
 
 
-def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs=None):
+def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs=None,
+            implementation="blockwise", jaxpr=None):
     """(out, dq, dk, dv) of the strategy's hook in a shard_map over `context`, in global order;
-    `segments` a bool (SEGMENTS or none) or an array of ids; `xs` (q, k, v, do) or `inputs`."""
+    `segments` a bool (SEGMENTS or none) or an array of ids; `xs` (q, k, v, do) or `inputs`;
+    `jaxpr` a list that receives the step's jaxpr."""
     mesh = Mesh(np.array(devices[:cp.size]), ("context",))
     order = gathered_order(cp.layout, cp.size, S)  # the devices' tokens, concatenated
     hook = cp.attention()
 
     def local(q, k, v, do, seg):
-        fn = lambda q, k, v: hook(q, k, v, seg, implementation="xla", block=block, threshold=0)
+        fn = lambda q, k, v: hook(q, k, v, seg, implementation=implementation, block=block, threshold=0)
         out, vjp = jax.vjp(fn, q, k, v)
         return (out, *vjp(do))
 
@@ -66,7 +68,10 @@ def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs
     q, k, v, do = xs or inputs(heads, kv_heads)
     ids = SEGMENTS if segments is True else (segments if segments is not False else None)
     seg = None if ids is None else jnp.asarray(np.asarray(ids)[:, order])
-    outs = run(*(x[:, order] for x in (q, k, v, do)), seg)
+    args = (*(x[:, order] for x in (q, k, v, do)), seg)
+    if jaxpr is not None:
+        jaxpr.append(jax.make_jaxpr(run)(*args))
+    outs = run(*args)
     inv = np.argsort(order)
     return [x[:, inv] for x in outs]
 
@@ -81,6 +86,39 @@ def test_attention_forward_and_grads_equal_xla(strategy, size, layout, segments,
     got = sharded(ContextParallel(size, strategy, layout), devices, heads, kv_heads, segments)
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference(heads, kv_heads, segments)):
         assert_close(g, r, what=f"{strategy} C={size} {layout} {name}")
+
+
+def score_tiles(jaxpr) -> set[tuple[int, int]]:
+    """The (key, query) tile extents of the score products in a jaxpr: the dots of a key block
+    [b, tile, kv_heads, d] and a query block [b, tile, kv_heads, group, d] over head_dim alone."""
+    found = set()
+
+    def walk(jx):
+        for eq in jx.eqns:
+            if eq.primitive.name == "dot_general":
+                (lc, rc), _ = eq.params["dimension_numbers"]
+                a, b = (v.aval.shape for v in eq.invars)
+                if a[-1] == b[-1] == D and tuple(lc) == (len(a) - 1,) and tuple(rc) == (len(b) - 1,):
+                    found.add((a[1], b[1]))
+            for p in eq.params.values():
+                for x in (p if isinstance(p, (list, tuple)) else [p]):
+                    inner = getattr(x, "jaxpr", None)
+                    if inner is not None:
+                        walk(getattr(inner, "jaxpr", inner))
+    walk(jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("implementation, tile", [("xla", 8), ("blockwise", 4), ("auto", 4)])
+def test_ring_tiles_follow_model_attention(implementation, tile, devices):
+    """model.attention sets the ring's score tiles: xla a whole run (zigzag, C=4, S=64: runs of
+    8), blockwise model.attention_block (4), auto (threshold 0: blockwise); each equal to xla."""
+    seen = []
+    got = sharded(ContextParallel(4, "ring", "zigzag"), devices, 8, 4, True, implementation=implementation,
+                  jaxpr=seen)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference(8, 4, True)):
+        assert_close(g, r, what=f"{implementation} {name}")
+    assert score_tiles(seen[0]) == {(tile, tile)}, score_tiles(seen[0])
 
 
 def test_zigzag_reorder_is_the_gathered_order():
@@ -253,6 +291,19 @@ def test_bad_layouts_raise_one_clear_error(overrides, words, devices):
                 log=lambda s: None)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
+
+
+def test_ring_refuses_cudnn():
+    """On a GPU too (the layout check, before the device check that catches cudnn on CPU first)."""
+    from jaxpar.parallel.context import check_layout
+    cfg = tiny_config("mesh.data=1", "train.global_batch=8")
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention": "cudnn"})})
+    with pytest.raises(ConfigError) as err:
+        check_layout(cfg, {"context": 2, "data": 4})
+    for w in ("model.attention=cudnn", "context.strategy=ring", "blockwise", "context.strategy=all_to_all"):
+        assert w in str(err.value), (w, str(err.value))
+    check_layout(cfg.model_copy(update={"context": cfg.context.model_copy(update={"strategy": "all_to_all"})}),
+                 {"context": 2, "data": 4})
 
 
 def test_context_config_is_validated():

@@ -14,6 +14,8 @@ attention runs through the strategy's hook (nn.Context.attention):
               documents) leave empty skipped (blockwise.schedule, at run time: the positions are
               only known per device, the segments per batch). The custom VJP sends dK/dV around
               the ring with the chunks and recomputes the probabilities (no scores are saved).
+              model.attention sets the tile (ring_tile): xla a whole run, blockwise
+              model.attention_block; cudnn is refused (it cannot join an online softmax).
   all_to_all  (Ulysses) an all_to_all from sequence-split to head-split, the model's own
               attention implementation over the whole sequence (reordered to global order), and
               back.
@@ -195,6 +197,13 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
             f"mesh.context={c} with a mixture-of-experts model (model.moe.num_experts="
             f"{m.moe.num_experts}) is not supported: expert capacity and the router losses are "
             f"statistics of whole sequences, which no device holds; use mesh.context=1")
+    if ctx.strategy == "ring" and m.attention == "cudnn":
+        raise ConfigError(
+            f"model.attention=cudnn does not run inside context.strategy=ring (mesh.context={c}): the "
+            f"ring folds each arriving key/value chunk into its own online softmax, which needs the "
+            f"per-query log-sum-exp that jax's cuDNN attention does not return; use model.attention="
+            f"auto or blockwise (the ring's tiles), or context.strategy=all_to_all (cuDNN over whole "
+            f"sequences, a head group per device)")
     if ctx.strategy == "all_to_all" and check_model:
         tensor = mesh_shape.get("tensor", 1)
         for fld in ("n_heads", "n_kv_heads"):
@@ -382,14 +391,26 @@ def _ring_bwd(r, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation=None, block: int = 512,
-                   threshold=None):
+def ring_tile(implementation: str, run: int, block: int, seq: int, threshold: int) -> int:
+    """The ring's [tile, tile] score blocks for model.attention: `xla` one per pair of runs (the
+    whole scores of a chunk against a chunk, as xla holds them), `blockwise` model.attention_block
+    (the largest divisor of the run up to it), `auto` as the implementation auto picks for the
+    whole sequence (cuDNN cannot fold into the ring's online softmax: blockwise). A tile never
+    straddles two runs."""
+    if implementation == "auto":
+        implementation = "blockwise" if seq >= threshold else "xla"
+    return run if implementation == "xla" else _tile(run, block)
+
+
+def ring_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation: str = "blockwise",
+                   block: int = 512, threshold: int = 2048):
     """Causal ring attention of this device's q [b, s/C, h, d] against every device's k, v
-    [b, s/C, kv_heads, d] (segment ids [b, s/C]: this device's). `block`: the tile size
-    (model.attention_block); the model's `implementation` is not used (the ring is its own)."""
+    [b, s/C, kv_heads, d] (segment ids [b, s/C]: this device's). The model's `implementation`,
+    `block` (model.attention_block) and `threshold` set the tile (ring_tile)."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
-    bq = _tile(s // 2 if cp.layout == "zigzag" else s, block)  # a tile never straddles two runs
+    run = s // 2 if cp.layout == "zigzag" else s
+    bq = ring_tile(implementation, run, block, s * cp.size, threshold)
     r = Ring(cp.size, cp.layout, bq, bq, d ** -0.5)
     seg = None if segment_ids is None else _blocked(segment_ids.astype(jnp.int32), bq)
     qb = _blocked(q.reshape(b, s, kvh, h // kvh, d), bq)
