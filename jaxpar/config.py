@@ -532,6 +532,11 @@ class XlaConfig(Strict):
     # dots fall back to a naive loop, 2-3x slower steps in bf16. oneDNN takes them all.
     # auto: oneDNN when train.compute_dtype is 16-bit (in float32 XLA's default is faster).
     cpu_dots: Literal["auto", "onednn", "default"] = "auto"
+    # XLA:CPU allocates each step's temporaries afresh: glibc serves a block above its mmap
+    # threshold (at most 32 MiB) by a new mapping, so every page of it faults (the kernel zeroes
+    # it) on every step. `keep`: large blocks come from the heap and freed ones stay there for the
+    # next step (jaxpar.xla.keep_host_memory); auto: keep unless a GPU plugin is installed.
+    host_memory: Literal["auto", "keep", "default"] = "auto"
     flags: list[str] = Field(default_factory=list)
 
     @field_validator("flags")

@@ -81,6 +81,42 @@ def xla_flags(cfg: Config) -> list[str]:
     return [f"{k}={v}" for k, v in defaults.items() if k not in own] + list(cfg.xla.flags)
 
 
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+KEEP_TRIM_BYTES = 2**31 - 1  # free memory at the heap's top kept up to this (a C int)
+_kept = False
+
+
+def keep_host_memory() -> bool:
+    """Make glibc serve large blocks from the heap and keep freed memory for reuse (no mmap per
+    block, no trimming below KEEP_TRIM_BYTES), so a step's temporaries land on pages already
+    mapped: on XLA:CPU a fresh mapping costs a page fault and a zeroed page per 4 KiB, every
+    step (docs/benchmarks.md, "page faults"). Process-wide, from the next allocation on; False
+    where the C library has no mallopt (not glibc). Limit: glibc still maps afresh a block of
+    64 MiB or more asked for by a thread with its own arena (XLA:CPU's device threads), which
+    no heap of such an arena can hold."""
+    global _kept
+    if _kept:
+        return True
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _kept = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_BYTES))
+    return _kept
+
+
+def apply_host_memory(cfg: Config) -> bool:
+    """xla.host_memory: keep_host_memory() for `keep`, and for `auto` without a GPU plugin."""
+    mode = cfg.xla.host_memory
+    if mode == "auto":
+        mode = "default" if _gpu_plugin_present() else "keep"
+    return keep_host_memory() if mode == "keep" else False
+
+
 def _names(flags: str) -> set[str]:
     return {_name(f) for f in flags.split()}
 
@@ -90,7 +126,9 @@ def apply_xla_flags(cfg: Config, log: Callable[[str], None] | None = None) -> li
 
     Once JAX's backend has started, XLA_FLAGS has been read: a flag the config names in
     `xla.flags` is then a ConfigError (the run would silently go without it); a missing default
-    is a warning (`log` and `warnings.warn`) naming the flags."""
+    is a warning (`log` and `warnings.warn`) naming the flags. Also applies xla.host_memory (which
+    may come at any time: it acts on the allocations after it)."""
+    apply_host_memory(cfg)
     wanted = xla_flags(cfg)
     current = os.environ.get("XLA_FLAGS", "")
     added = [f for f in wanted if _name(f) not in _names(current)]
