@@ -49,7 +49,7 @@ def test_1f1b_stash_bounded_by_stages_gpipe_by_microbatches(m):
 def test_codes_and_slots_consistent(schedule, p, m, v, recompute):
     """Replay the table like the runner does: each read finds the value written for it (without
     recompute a backward reads its forward's residuals instead of the stage input; split, the
-    last stage keeps its output for Bx and its loss cotangent for W)."""
+    last stage keeps its output for Bx, and Bx keeps for W what W reads besides the residuals)."""
     split = schedule in SPLIT
     if split and recompute:
         with pytest.raises(ConfigError, match="pipeline.recompute=false"):
@@ -57,7 +57,7 @@ def test_codes_and_slots_consistent(schedule, p, m, v, recompute):
         return
     tt = build_timetable(schedule, p, m, v, recompute=recompute)
     G = p * v
-    xbuf, gbuf, rbuf = ([dict() for _ in range(p)] for _ in range(3))
+    xbuf, gbuf, rbuf, wbuf = ([dict() for _ in range(p)] for _ in range(4))
     assert (tt.n_r_slots == 0) == recompute
     for t, row in enumerate(tt.grid):
         sent_x, sent_g = {}, {}
@@ -86,7 +86,7 @@ def test_codes_and_slots_consistent(schedule, p, m, v, recompute):
                 assert rbuf[d][tt.r_slot[t, d]] == (op.mb, g)
             if op.kind == "W":
                 assert code == W
-                assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
+                assert wbuf[d][tt.w_slot[t, d]] == (op.mb, g)
                 continue
             if split:
                 assert code == (BX_FIRST if g == 0 else BX_LAST if last else BX_MID)
@@ -100,9 +100,9 @@ def test_codes_and_slots_consistent(schedule, p, m, v, recompute):
                 sent_g[(d - 1) % p] = (op.mb, g - 1)
             if not last:
                 assert gbuf[d][tt.g_slot[t, d]] == (op.mb, g)
-            assert (tt.g_put[t, d] >= 0) == (split and last)
-            if split and last:
-                gbuf[d][tt.g_put[t, d]] = (op.mb, g)
+            assert (tt.w_put[t, d] >= 0) == split
+            if split:
+                wbuf[d][tt.w_put[t, d]] = (op.mb, g)
         for d in range(p):
             assert (tt.recv_x[t, d] >= 0) == (d in sent_x)
             assert (tt.recv_g[t, d] >= 0) == (d in sent_g)
@@ -125,6 +125,9 @@ def test_zb_h1_bubble_a_third_of_1f1b_at_the_same_memory():
             f = zb.idle_fraction()
             assert f / (1 - f) == pytest.approx((p - 1) / m / 3)
             assert zb.in_flight() == [p] * p and zb.n_r_slots <= p
+            # what Bx keeps for W: device d holds back d W's, so d + 1 microbatches' worth
+            w_slots = [len(set(zb.w_put[:, d][zb.w_put[:, d] >= 0])) for d in range(p)]
+            assert w_slots == [d + 1 for d in range(p)] and zb.n_w_slots == p
             assert max(build_timetable("1f1b", p, m).in_flight()) == min(2 * p - 1, m)
 
 

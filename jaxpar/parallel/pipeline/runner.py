@@ -14,6 +14,7 @@ One `lax.scan` over the ticks; each tick
      runs under jax.vjp and stashes the residuals (residuals.py; the stage's train.remat policy
      decides what they are) and its backward applies them; with recompute=true a backward
      recomputes its stage's forward from the stashed stage input (remat at the stage boundary).
+     zb_h1 runs a vjp per layer and cuts each layer's backward into Bx and W (split.py).
      The last stage's forward is folded into its backward, which also yields the loss;
   3. sends the forward output to the next stage and the input cotangent to the previous one,
      each a ppermute over only the (source, destination) pairs that have something to send on
@@ -44,8 +45,9 @@ from jaxpar import nn
 from jaxpar.sharding import vary, varying_axes
 from jaxpar.train.model import nest
 from jaxpar.parallel.pipeline.residuals import StashPlan
+from jaxpar.parallel.pipeline.split import LayerSplit
 from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, BX_FIRST, BX_LAST, BX_MID,
-                                               F_FIRST, F_LAST, F_MID, IDLE, W, Timetable)
+                                               F_FIRST, F_LAST, F_MID, IDLE, SPLIT, W, Timetable)
 
 AXIS = "pipeline"
 
@@ -96,10 +98,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
     tt = timetable
     p, v = tt.p, tt.v
     tables = np.stack([tt.code, tt.mb, tt.chunk, tt.x_slot, tt.g_slot, tt.recv_x, tt.recv_g,
-                       tt.r_slot, tt.r_put, tt.y_put, tt.g_put], -1)
-    n_x, n_g, n_r = max(tt.n_x_slots, 1), max(tt.n_g_slots, 1), tt.n_r_slots
+                       tt.r_slot, tt.r_put, tt.y_put, tt.w_slot, tt.w_put], -1)
+    n_x, n_g, n_r, n_w = max(tt.n_x_slots, 1), max(tt.n_g_slots, 1), tt.n_r_slots, tt.n_w_slots
     stash = not tt.recompute
-    split = bool((tt.code == W).any())
+    split = tt.schedule in SPLIT  # zb_h1: Bx and W
     if v == 1:
         fwd_perm = [(d, d + 1) for d in range(p - 1)]
         bwd_perm = [(d + 1, d) for d in range(p - 1)]
@@ -174,13 +176,27 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
 
         # recompute=false: a stage's vjp, its residuals stashed but for the params it references
         plan = StashPlan()
+        layers = LayerSplit()  # split (zb_h1): one vjp per layer, the backward cut in two
 
         def stage_vjp(lk, x, tok):
-            y, fn = jax.vjp(lambda lk, xi: body(top, lk, xi, tok), lk, x)
-            return y, [vary(a, manual) for a in plan.split(fn, {"lay": lk, "top": top})]
+            if split:
+                def hook(stack, carry, fn):
+                    raise _Stop(layers.forward(stack, x, fn, lk, top))
+                y, kept = call(top, lk, tok, hook, False)
+            else:
+                y, fn = jax.vjp(lambda lk, xi: body(top, lk, xi, tok), lk, x)
+                kept = plan.split(fn, {"lay": lk, "top": top})
+            return y, [vary(a, manual) for a in kept]
+
+        def input_half(r, lk, g):
+            """Bx: the stage's input cotangent, and what its W reads."""
+            dx, kept = layers.input_half(r, lk, top, g)
+            return dx, [vary(a, manual) for a in kept]
 
         r_sds = jax.eval_shape(lambda: stage_vjp(chunk(0), zeros_x, mb_at(0))[1]) if stash else []
         zeros_r = [vary(jnp.zeros(s.shape, s.dtype), manual) for s in r_sds]
+        w_sds = jax.eval_shape(lambda: input_half(zeros_r, chunk(0), zeros_x)[1]) if split else []
+        zeros_w = [vary(jnp.zeros(s.shape, s.dtype), manual) for s in w_sds]
 
         def stage_grads(r, lk, x, g, tok):
             """(layer grads, input cotangent) of a stage's backward."""
@@ -189,71 +205,72 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             _, vjp = jax.vjp(lambda lk, xi: body(top, lk, xi, tok), lk, x)
             return vjp(g)
 
-        # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, r_in, tok, k) -> (..., y, dx, r_out)
-        def idle(at, al, loss, x, g, r, tok, k):
-            return at, al, loss, zeros_x, zeros_x, zeros_x, zeros_r
+        # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, r_in, w_in, tok, k)
+        #      -> (acc_top, acc_lay, loss, y, dx, r_out, w_out)
+        def idle(at, al, loss, x, g, r, w, tok, k):
+            return at, al, loss, zeros_x, zeros_x, zeros_r, zeros_w
 
         def forward(lk, x, tok):
             if stash:
                 return stage_vjp(lk, x, tok)
             return body(top, lk, x, tok), zeros_r
 
-        def f_first(at, al, loss, x, g, r, tok, k):
+        def f_first(at, al, loss, x, g, r, w, tok, k):
             lk = chunk(k)
             y, res = forward(lk, pre(top, lk, tok), tok)
-            return at, al, loss, y, zeros_x, zeros_x, res
+            return at, al, loss, y, zeros_x, res, zeros_w
 
-        def f_mid(at, al, loss, x, g, r, tok, k):
+        def f_mid(at, al, loss, x, g, r, w, tok, k):
             y, res = forward(chunk(k), x, tok)
-            return at, al, loss, y, zeros_x, zeros_x, res
+            return at, al, loss, y, zeros_x, res, zeros_w
 
-        def b_first(at, al, loss, x, g, r, tok, k):
+        def b_first(at, al, loss, x, g, r, w, tok, k):
             lk = chunk(k)
             x0, pre_vjp = jax.vjp(lambda t: pre(t, lk, tok), top)
             dl, dx = stage_grads(r, lk, x0, g, tok)
             (dt,) = pre_vjp(dx)
-            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_x, zeros_r
+            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_r, zeros_w
 
-        def b_mid(at, al, loss, x, g, r, tok, k):
+        def b_mid(at, al, loss, x, g, r, w, tok, k):
             dl, dx = stage_grads(r, chunk(k), x, g, tok)
-            return at, add_chunk(al, dl, k), loss, zeros_x, dx, zeros_x, zeros_r
+            return at, add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
 
-        def b_last(at, al, loss, x, g, r, tok, k):
+        def b_last(at, al, loss, x, g, r, w, tok, k):
             val, vjp, (lm, sown) = jax.vjp(lambda t, lk, xi: post(t, lk, body(t, lk, xi, tok), tok),
                                            top, chunk(k), x, has_aux=True)
             dt, dl, dx = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
             loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
-            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx, zeros_x, zeros_r
+            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
 
-        # ---- split backward (zb_h1): Bx sends the input cotangent, W adds the weight gradient;
-        # each applies the stashed vjp and XLA drops the half it does not return
-        def bx_first(at, al, loss, x, g, r, tok, k):
+        # ---- split backward (zb_h1): Bx runs the layers' input-gradient half (split.py), sends
+        # the input cotangent and keeps what W reads; W adds the weight gradients from that alone
+        def bx_first(at, al, loss, x, g, r, w, tok, k):
             lk = chunk(k)
             _, pre_vjp = jax.vjp(lambda t: pre(t, lk, tok), top)
-            (dt,) = pre_vjp(plan.join(r, {"lay": lk, "top": top})(g)[1])
-            return add_top(at, dt), al, loss, zeros_x, zeros_x, zeros_x, zeros_r
+            dx, w_out = input_half(r, lk, g)
+            (dt,) = pre_vjp(dx)
+            return add_top(at, dt), al, loss, zeros_x, zeros_x, zeros_r, w_out
 
-        def bx_mid(at, al, loss, x, g, r, tok, k):
-            dx = plan.join(r, {"lay": chunk(k), "top": top})(g)[1]
-            return at, al, loss, zeros_x, dx, zeros_x, zeros_r
+        def bx_mid(at, al, loss, x, g, r, w, tok, k):
+            dx, w_out = input_half(r, chunk(k), g)
+            return at, al, loss, zeros_x, dx, zeros_r, w_out
 
-        def bx_last(at, al, loss, y, g, r, tok, k):
+        def bx_last(at, al, loss, y, g, r, w, tok, k):
             lk = chunk(k)
             val, vjp, (lm, sown) = jax.vjp(lambda t, yi: post(t, lk, yi, tok), top, y, has_aux=True)
             dt, dy = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
-            dx = plan.join(r, {"lay": lk, "top": top})(dy)[1]
+            dx, w_out = input_half(r, lk, jax.tree.map(lambda a: vary(a, manual), dy))
             loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
-            dy = jax.tree.map(lambda a: vary(a, manual), dy)
-            return add_top(at, dt), al, loss, zeros_x, dx, dy, zeros_r
+            return add_top(at, dt), al, loss, zeros_x, dx, zeros_r, w_out
 
-        def w(at, al, loss, x, g, r, tok, k):
+        def w_grads(at, al, loss, x, g, r, w, tok, k):
             lk = chunk(k)
-            dl = plan.join(r, {"lay": lk, "top": top})(g)[0]
-            return at, add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_x, zeros_r
+            dl = layers.weight_half(r, w, lk, top)
+            return at, add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_r, zeros_w
 
         branches = {IDLE: idle, F_FIRST: f_first, F_MID: f_mid, B_FIRST: b_first, B_MID: b_mid,
                     B_LAST: b_last, F_LAST: f_mid, BX_FIRST: bx_first, BX_MID: bx_mid,
-                    BX_LAST: bx_last, W: w}
+                    BX_LAST: bx_last, W: w_grads}
         used = sorted(set(np.unique(tt.code).tolist()))
         remap = np.zeros(max(branches) + 1, np.int32)
         remap[used] = np.arange(len(used))
@@ -268,13 +285,14 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return jax.lax.switch(idx, [nothing, *moves], tree)
 
         def tick(carry, row):
-            at, al, loss, xbuf, gbuf, rbuf = carry
+            at, al, loss, xbuf, gbuf, rbuf, wbuf = carry
             r = row[d]
-            code, i, k, xs, gs, rx, rg, rs, rp, yp, gp, fi, bi = (r[j] for j in range(13))
+            code, i, k, xs, gs, rx, rg, rs, rp, yp, ws, wp, fi, bi = (r[j] for j in range(14))
             tok = mb_at(i)
-            x_in, g_in, r_in = tree_at(xbuf, xs), tree_at(gbuf, gs), tree_at(rbuf, rs)
-            at, al, loss, y, dx, g_keep, r_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
-                                                                r_in, tok, k)
+            x_in, g_in, r_in, w_in = (tree_at(xbuf, xs), tree_at(gbuf, gs), tree_at(rbuf, rs),
+                                      tree_at(wbuf, ws))
+            at, al, loss, y, dx, r_out, w_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
+                                                               r_in, w_in, tok, k)
             x_recv = send(y, fwd_pats, fi)
             g_recv = send(dx, bwd_pats, bi)
             # Slot n (one past the last) takes what arrives for nobody.
@@ -283,10 +301,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             xbuf = put(xbuf, x_recv, jnp.where(rx < 0, n_x, rx))
             gbuf = put(gbuf, g_recv, jnp.where(rg < 0, n_g, rg))
             rbuf = put(rbuf, r_out, jnp.where(rp < 0, n_r, rp))
-            if split:  # the last stage keeps its output for Bx and the loss's cotangent for W
+            if split:  # the last stage keeps its output for Bx; Bx keeps what W reads
                 xbuf = put(xbuf, y, jnp.where(yp < 0, n_x, yp))
-                gbuf = put(gbuf, g_keep, jnp.where(gp < 0, n_g, gp))
-            return (at, al, loss, xbuf, gbuf, rbuf), None
+                wbuf = put(wbuf, w_out, jnp.where(wp < 0, n_w, wp))
+            return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 
         acc_top = jax.eval_shape(lambda: scatter(top, {n: flat_specs[n] for n in top}))
         # microbatch gradients accumulate in float32 whatever the params' dtype (bf16 would
@@ -298,8 +316,9 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
         loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
         rbuf = [jnp.zeros((n_r + 1, *s.shape), s.dtype) for s in r_sds]
+        wbuf = [jnp.zeros((n_w + 1, *s.shape), s.dtype) for s in w_sds]
         carry = jax.tree.map(lambda a: vary(a, manual),
-                             (acc_top, acc_lay, loss0, buf(n_x), buf(n_g), rbuf))
+                             (acc_top, acc_lay, loss0, buf(n_x), buf(n_g), rbuf, wbuf))
         (acc_top, acc_lay, (loss, sown), *_), _ = jax.lax.scan(tick, carry, table)
         acc_lay = {n: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for n, a in acc_lay.items()}
         return loss[None], nest({**acc_top, **acc_lay}), jax.tree.map(lambda a: a[None], sown)

@@ -146,10 +146,12 @@ class Timetable:
     r_slot: np.ndarray = field(repr=False, default=None)     # residuals a backward reads
     r_put: np.ndarray = field(repr=False, default=None)      # where a forward stashes them (-1: none)
     y_put: np.ndarray = field(repr=False, default=None)      # split: the last stage's output kept
-    g_put: np.ndarray = field(repr=False, default=None)      # split: the loss's cotangent kept
+    w_slot: np.ndarray = field(repr=False, default=None)     # split: what W reads (Bx kept it)
+    w_put: np.ndarray = field(repr=False, default=None)      # split: where Bx keeps it (-1: none)
     n_x_slots: int = 0
     n_g_slots: int = 0
     n_r_slots: int = 0
+    n_w_slots: int = 0
     recompute: bool = False  # backward recomputes its forward (no residual slots) or reads them
 
     @property
@@ -281,9 +283,10 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool =
     """The table the runner executes. recompute=False: every forward but the last stage's
     stashes its vjp residuals (r slots, from its forward to its backward) and a stage input is
     kept only until its forward; recompute=True: the input is kept until the backward. A split
-    schedule keeps residuals and cotangents until W, and its last stage's forward runs on its
-    own tick: the output waits in an x slot (y_put) for B, the loss's cotangent in a g slot
-    (g_put) for W."""
+    schedule keeps residuals until W (which reads the weight matmuls' inputs among them), and its
+    B (Bx) keeps what W reads of what it computed (per layer: the weight matmuls' output
+    cotangents) in a w slot (w_put) until W; its last stage's forward runs on its own tick, the
+    output waiting in an x slot (y_put) for B."""
     check_schedule(schedule, p, m, v, recompute=recompute)
     split = schedule in SPLIT
     grid = simulate(device_orders(schedule, p, m, v), p, v, schedule in ALTERNATE)
@@ -300,16 +303,18 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool =
                    g_slot=np.zeros(shape, np.int32), recv_x=np.full(shape, -1, np.int32),
                    recv_g=np.full(shape, -1, np.int32), r_slot=np.zeros(shape, np.int32),
                    r_put=np.full(shape, -1, np.int32), y_put=np.full(shape, -1, np.int32),
-                   g_put=np.full(shape, -1, np.int32), recompute=recompute)
+                   w_slot=np.zeros(shape, np.int32), w_put=np.full(shape, -1, np.int32),
+                   recompute=recompute)
     # Values each device keeps: stage inputs (arrive with the previous stage's forward, read by
     # this stage's forward, and its backward when that recomputes), cotangents (arrive with the
-    # next stage's backward, read by this stage's backward, or W) and residuals (a forward's, for
-    # the backward or W).
+    # next stage's backward, read by this stage's backward), residuals (a forward's, for the
+    # backward, split: and W) and, split, what B keeps for W.
     last_kept = split  # the last stage's forward has its own tick
     grad_op = "W" if split else "B"
     xs: list[list] = [[] for _ in range(p)]
     gs: list[list] = [[] for _ in range(p)]
     rs: list[list] = [[] for _ in range(p)]
+    ws: list[list] = [[] for _ in range(p)]
     for i in range(m):
         for g in range(G):
             d, last = g % p, g == G - 1
@@ -317,17 +322,20 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool =
             if g > 0:
                 xs[d].append((at[("F", i, g - 1)], at[(x_until, i, g)], (i, g)))
             if not last:
-                gs[d].append((at[("B", i, g + 1)], at[(grad_op, i, g)], (i, g)))
+                gs[d].append((at[("B", i, g + 1)], at[("B", i, g)], (i, g)))
             if not recompute and (not last or last_kept):
                 rs[d].append((at[("F", i, g)], at[(grad_op, i, g)], (i, g)))
             if last and last_kept:
                 xs[d].append((at[("F", i, g)], at[("B", i, g)], ("y", i)))
-                gs[d].append((at[("B", i, g)], at[("W", i, g)], (i, g)))
+            if split:
+                ws[d].append((at[("B", i, g)], at[("W", i, g)], (i, g)))
     x_alloc = [_allocate(x)[0] for x in xs]
     g_alloc = [_allocate(x)[0] for x in gs]
     r_alloc = [_allocate(x)[0] for x in rs]
-    tt.n_x_slots, tt.n_g_slots, tt.n_r_slots = (max((len(set(a.values())) for a in alloc), default=0)
-                                                for alloc in (x_alloc, g_alloc, r_alloc))
+    w_alloc = [_allocate(x)[0] for x in ws]
+    tt.n_x_slots, tt.n_g_slots, tt.n_r_slots, tt.n_w_slots = (
+        max((len(set(a.values())) for a in alloc), default=0)
+        for alloc in (x_alloc, g_alloc, r_alloc, w_alloc))
     for i in range(m):
         for g in range(G):
             d = g % p
@@ -356,14 +364,16 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool =
                 continue
             if kept:
                 tt.r_slot[t, d] = r_alloc[d][(op.mb, g)]
-            if not last or op.kind == "W":
-                tt.g_slot[t, d] = g_alloc[d][(op.mb, g)]
             if op.kind == "W":
                 tt.code[t, d] = W
+                tt.w_slot[t, d] = w_alloc[d][(op.mb, g)]
                 continue
+            if not last:
+                tt.g_slot[t, d] = g_alloc[d][(op.mb, g)]
+            if split:
+                tt.w_put[t, d] = w_alloc[d][(op.mb, g)]
             if last and last_kept:
                 tt.x_slot[t, d] = x_alloc[d][("y", op.mb)]
-                tt.g_put[t, d] = g_alloc[d][(op.mb, g)]
             elif g > 0 and (recompute or last):
                 tt.x_slot[t, d] = x_alloc[d][(op.mb, g)]
             if split:

@@ -1,0 +1,210 @@
+"""zb_h1's split backward: a stage's layers run forward one `jax.vjp` per layer, and each layer's
+backward is cut into its input half (Bx) and its weight half (W).
+
+The vjp of the whole layer scan cannot be cut: its weight gradients sit inside the reverse
+scan that carries the activation cotangent, so a W applying it runs that chain again (a whole
+backward). Per layer, the backward is a jaxpr from (residuals, output cotangent) to (weight
+gradients, input cotangent); its equations split by what they feed:
+  Bx  the equations the input cotangent needs (the activation-gradient chain);
+  W   the equations only the weight gradients need (the weight matmuls x^T dz, their sums).
+Bx evaluates its part and keeps, per layer, the values W's part reads that Bx computed (each
+weight matmul's output cotangent dz; the layer's output cotangent, which the last matmul's is)
+for W; W evaluates its part from those and the forward's residuals (the matmuls' inputs x, kept
+until W), layer by layer with no carry. Bx + W run each equation of the whole backward once, so
+the gradients are the same numbers.
+Call-like equations (jit, checkpoint) are inlined first: one `jit` whose transpose yields both an
+input and a weight cotangent would otherwise be one indivisible equation on Bx's side.
+Param residuals are referenced, as in residuals.py. Tracing is deterministic, so the cut made in
+one trace (cached here) holds in every other trace of the same stage."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from jaxpar import nn
+from jaxpar.parallel.pipeline.residuals import StashPlan
+from jaxpar.sharding import vary_together
+
+_INLINE = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")
+
+
+def _callee(eqn) -> tuple[Jaxpr, list] | None:
+    """The (jaxpr, consts) a call-like equation runs, or None."""
+    if eqn.primitive.name not in _INLINE:
+        return None
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if isinstance(sub, ClosedJaxpr):
+        return sub.jaxpr, list(sub.consts)
+    if isinstance(sub, Jaxpr) and not sub.constvars:
+        return sub, []
+    return None
+
+
+@dataclass
+class _Cut:
+    """A layer backward as flat equations (calls inlined) over integer value keys, cut in two."""
+
+    nodes: list            # (eqn, in atoms: key | Literal, out keys)
+    consts: dict           # key -> constant
+    in_keys: list          # the jaxpr's inputs: the vjp's leaves, then the cotangent's
+    x_nodes: list = field(default_factory=list)   # Bx's equations, in order
+    w_nodes: list = field(default_factory=list)   # W's
+    dx_out: list = field(default_factory=list)    # atoms of the input cotangent
+    dw_out: list = field(default_factory=list)    # atoms of the weight gradients
+    w_in: list = field(default_factory=list)      # keys W reads that it does not compute
+
+    @classmethod
+    def of(cls, closed: ClosedJaxpr, n_weights: int) -> "_Cut":
+        nodes: list = []
+        consts: dict = {}
+        fresh = itertools.count()
+
+        def lower(jaxpr, env):
+            for eqn in jaxpr.eqns:
+                ins = [a if isinstance(a, Literal) else env[a] for a in eqn.invars]
+                sub = _callee(eqn)
+                if sub is None:
+                    outs = [next(fresh) for _ in eqn.outvars]
+                    nodes.append((eqn, ins, outs))
+                else:
+                    inner, inner_consts = sub
+                    inner_env = dict(zip(inner.invars, ins))
+                    for v, c in zip(inner.constvars, inner_consts):
+                        inner_env[v] = next(fresh)
+                        consts[inner_env[v]] = c
+                    outs = lower(inner, inner_env)
+                env.update(zip(eqn.outvars, outs))
+            return [a if isinstance(a, Literal) else env[a] for a in jaxpr.outvars]
+
+        jaxpr = closed.jaxpr
+        env = {v: next(fresh) for v in jaxpr.invars}
+        for v, c in zip(jaxpr.constvars, closed.consts):
+            env[v] = next(fresh)
+            consts[env[v]] = c
+        cut = cls(nodes, consts, [env[v] for v in jaxpr.invars])
+        outs = lower(jaxpr, env)
+        cut.dw_out, cut.dx_out = outs[:n_weights], outs[n_weights:]
+        x_live, w_live = cut._live(cut.dx_out), cut._live(cut.dw_out)
+        cut.x_nodes = sorted(x_live)
+        cut.w_nodes = sorted(w_live - x_live)
+        made = {k for i in cut.w_nodes for k in nodes[i][2]}
+        need = [a for i in cut.w_nodes for a in nodes[i][1]] + cut.dw_out
+        cut.w_in = sorted({a for a in need if not isinstance(a, Literal) and a not in made
+                           and a not in consts})
+        return cut
+
+    def _live(self, roots) -> set[int]:
+        need = {a for a in roots if not isinstance(a, Literal)}
+        live = set()
+        for i in reversed(range(len(self.nodes))):
+            _, ins, outs = self.nodes[i]
+            if any(o in need for o in outs):
+                live.add(i)
+                need.update(a for a in ins if not isinstance(a, Literal))
+        return live
+
+    def run(self, which: list, env: dict, outs: list) -> list:
+        env = {**self.consts, **env}
+        for i in which:
+            eqn, ins, keys = self.nodes[i]
+            args = [a.val if isinstance(a, Literal) else env[a] for a in ins]
+            with eqn.ctx.manager:
+                ans = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+            env.update(zip(keys, ans if eqn.primitive.multiple_results else [ans]))
+        return [a.val if isinstance(a, Literal) else env[a] for a in outs]
+
+
+class LayerSplit:
+    """One stage's layers forward (per-layer vjps, residuals stacked on the layer dim), and the
+    two halves of its backward. `names`: the stage's layer-param names (the runner's `lay`
+    keys) in the order of the stack's state leaves, found by identity in the first forward."""
+
+    def __init__(self):
+        self.stash = StashPlan()
+        self.names: tuple | None = None
+        self.cut: _Cut | None = None
+        # per key W reads: ("ref", (group, name)) a param, ("res", i) the i-th stashed residual
+        # (kept until W), ("w", i) the i-th value Bx keeps for W
+        self.w_src: list = []
+
+    def forward(self, stack: nnx.Module, x: Any, fn, lk: dict, top: dict):
+        """(stage output, residuals [layers, ...] per kept leaf) of the stage's layers on `x`,
+        the layer scan nn.scan_stack runs (params hook, remat policy), one vjp per layer."""
+        ctx = nn.current()
+        if ctx.layer_taps is not None:
+            raise NotImplementedError("pipeline zb_h1 with nn.Context.layer_taps")
+        graphdef, state = nnx.split(stack)
+        leaves, treedef = jax.tree.flatten(state)
+        name_of = {id(a): n for n, a in lk.items()}
+        names = tuple(name_of.get(id(a)) for a in leaves)
+        if None in names or len(set(names)) != len(lk):
+            raise RuntimeError("pipeline zb_h1: the layer stack's state is not the stage's params")
+        self.names = names
+
+        def layer(s, c):
+            return fn(nnx.merge(graphdef, ctx.layer_params(s)), c)
+
+        if ctx.remat != "none" or ctx.never_save:
+            layer = jax.checkpoint(layer, policy=nn.remat_policy(ctx.remat, ctx.never_save),
+                                   prevent_cse=False)
+
+        def body(c, ls):
+            c, fn_l = jax.vjp(layer, jax.tree.unflatten(treedef, ls), c)
+            return c, self.stash.split(fn_l, {"lay": dict(zip(names, ls)), "top": top})
+
+        x = vary_together(x, leaves)
+        return jax.lax.scan(body, x, leaves)
+
+    def _cut(self, leaves: list, g) -> _Cut:
+        if self.cut is None:
+            fn = lambda leaves, g: jax.tree.unflatten(self.stash.treedef, leaves)(g)
+            closed = jax.make_jaxpr(fn)(leaves, g)
+            cut = _Cut.of(closed, len(self.names))
+            refs = dict(zip(cut.in_keys, self.stash.refs))  # the cotangent's keys have none
+            kept_at = {k: i for i, k in enumerate(k for k, r in zip(cut.in_keys, self.stash.refs)
+                                                  if r is None)}
+            n = itertools.count()
+            self.w_src = [("ref", refs[k]) if refs.get(k) else ("res", kept_at[k]) if k in kept_at
+                          else ("w", next(n)) for k in cut.w_in]
+            self.cut = cut
+        return self.cut
+
+    def _leaves(self, kept: list, lay: dict, top: dict) -> list:
+        it = iter(kept)
+        return [next(it) if r is None else {"lay": lay, "top": top}[r[0]][r[1]] for r in self.stash.refs]
+
+    def input_half(self, kept: list, lk: dict, top: dict, g):
+        """Bx: (the stage's input cotangent, what W reads [layers, ...]), the layers in reverse."""
+        def body(g, xs):
+            kept_l, ls = xs
+            leaves = self._leaves(kept_l, dict(zip(self.names, ls)), top)
+            g_leaves = jax.tree.leaves(g)
+            cut = self._cut(leaves, g)
+            env = dict(zip(cut.in_keys, leaves + g_leaves))
+            kept_w = [k for k, (src, _) in zip(cut.w_in, self.w_src) if src == "w"]
+            out = cut.run(cut.x_nodes, env, cut.dx_out + kept_w)
+            dx = jax.tree.unflatten(jax.tree.structure(g), out[:len(g_leaves)])
+            return dx, out[len(g_leaves):]
+
+        return jax.lax.scan(body, g, (kept, [lk[n] for n in self.names]), reverse=True)
+
+    def weight_half(self, kept: list, w: list, lk: dict, top: dict) -> dict:
+        """W: the stage's layer-param gradients {name: [layers, ...]} from the forward's residuals
+        `kept` and Bx's `w`, layer by layer (a scan with no carry: no chain between layers)."""
+        res = sorted({at for src, at in self.w_src if src == "res"})
+
+        def body(_, xs):
+            res_l, w_l, ls = xs
+            known = {"lay": dict(zip(self.names, ls)), "top": top, "res": dict(zip(res, res_l)),
+                     "w": w_l}
+            env = {k: known[at[0]][at[1]] if src == "ref" else known[src][at]
+                   for k, (src, at) in zip(self.cut.w_in, self.w_src)}
+            return None, self.cut.run(self.cut.w_nodes, env, self.cut.dw_out)
+
+        _, dw = jax.lax.scan(body, None, ([kept[i] for i in res], w, [lk[n] for n in self.names]))
+        return dict(zip(self.names, dw))
