@@ -102,9 +102,9 @@ def score_tiles(jaxpr) -> set[tuple[int, int]]:
                     found.add((a[1], b[1]))
             for p in eq.params.values():
                 for x in (p if isinstance(p, (list, tuple)) else [p]):
-                    inner = getattr(x, "jaxpr", None)
+                    inner = x if hasattr(x, "eqns") else getattr(x, "jaxpr", None)  # Jaxpr or Closed
                     if inner is not None:
-                        walk(getattr(inner, "jaxpr", inner))
+                        walk(inner if hasattr(inner, "eqns") else inner.jaxpr)
     walk(jaxpr.jaxpr)
     return found
 

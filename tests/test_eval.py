@@ -193,7 +193,7 @@ def test_fit_logs_eval_metrics(tmp_path, devices):
     def slow_eval(params):  # compiles on its first call, and sleeps: seconds that are no step's
         t0 = time.perf_counter()
         out = evaluate(params)
-        time.sleep(1.0)
+        time.sleep(2.0)
         took.append(time.perf_counter() - t0)
         return out
 
@@ -205,7 +205,7 @@ def test_fit_logs_eval_metrics(tmp_path, devices):
     # a step's time leaves its evaluation out (it used to hold it: the last step of every run read
     # as the slowest, and benchmark means over a window ending there were 10-30% high)
     for step, t in zip((2, 3), took):
-        assert evals[step]["step_time_s"] < t - 0.9, (evals[step], took)
+        assert evals[step]["step_time_s"] < t - 1.0, (evals[step], took)
     for r in evals.values():
         assert abs(r["eval_ppl"] - math.exp(r["eval_loss"])) < 1e-6 * r["eval_ppl"]
     assert any(line.startswith("step 2: eval_loss") for line in lines)
