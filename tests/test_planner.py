@@ -26,8 +26,8 @@ BASE = {"model": {"preset": "tiny", "n_layers": 4, "dim": 128, "n_heads": 8, "n_
         "train": {"global_batch": 16, "seq_len": 128, "compute_dtype": "float32", "progress": False},
         "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}}
 TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups replicate the rest
-# ZeRO 0-3, tensor (with and without sequence parallelism), pipeline, expert, remat policies (none,
-# full, dots_saveable), context: 16 layouts, one compile each
+# ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
+# policies (none, full, dots_saveable), context: 17 layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
@@ -40,6 +40,8 @@ LAYOUTS = [
     f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 {TOL}",
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe {TOL}",
     f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.recompute=true {TOL}",
+    # zb_h1: the cotangents its Bx keeps for W, in the timetable's w slots
+    f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=zb_h1 {TOL}",
     f"mesh.data=2 mesh.expert=4 model.moe.num_experts=4 {TOL}",
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1",
     "mesh.data=2 mesh.tensor=2 mesh.fsdp=2 sharding.zero_stage=3 train.remat=dots_saveable",
@@ -309,6 +311,40 @@ def _predict(overrides: str, cluster, **updates):
     if updates:
         cluster = cluster.model_copy(update={"efficiency": cluster.efficiency.model_copy(update=updates)})
     return step_time(cfg, layout, model, cluster, step_collectives(cfg, layout, model, abstract_plan(cfg, layout)))
+
+
+def test_search_ranks_zb_h1_before_1f1b_where_the_bubble_costs():
+    """With a compute unit per device a pipeline's idle ticks cost time. At data=2 x pipeline=4
+    without remat zb_h1 (a third of 1f1b's bubble in lockstep ticks: (p-1)/(3m+p-1) against
+    2(p-1)/(m+2(p-1)), its W about half a backward) is predicted faster than 1f1b at the same m,
+    for the memory of the cotangents W waits for (and with p in flight, not 2p - 1). Under a
+    remat policy its W has nothing left to do (the weight matmuls stay in Bx:
+    timing.weight_share), so its ticks stretch like 1f1b's."""
+    from jaxpar.parallel.pipeline.schedule import build_timetable, idle_formula
+    from jaxpar.planner.timing import pipeline_stretch, weight_share
+    cfg = load_config("configs/quickstart.yaml", ["checkpoint.enabled=false", TOL.split()[0]])
+    model = ModelDef.from_factory(llama_model_factory(cfg))
+    own = load_cluster("cpu8").model_copy(update={"devices_per_unit": 1})
+    result = search(cfg, own, model, fixed={"data": 2, "pipeline": 4})
+    by = {(s.layout.schedule, s.layout.remat, s.layout.recompute, s.layout.grad_accum): s
+          for s in result.ranked}
+    assert not any(s.layout.schedule == "zb_h1" and s.layout.recompute for s in result.ranked)
+    for m in (4, 8):
+        zb, one = by[("zb_h1", "none", False, m)], by[("1f1b", "none", False, m)]
+        assert zb.time.step_s < one.time.step_s and zb.time.bubble_s < 0.7 * one.time.bubble_s, m
+        assert zb.memory["w_kept"] > 0 and one.memory["w_kept"] == 0
+        # the residuals of p microbatches in flight, 1f1b's up to 2p - 1 (equal at m = p)
+        rest = zb.memory["total"] - zb.memory["w_kept"]
+        assert rest == pytest.approx(one.memory["total"]) if m == 4 else rest < one.memory["total"]
+        # W below half a backward: between the ideal split's stretch and 1f1b's
+        share = weight_share(cfg, zb.layout)
+        assert 0.4 < share < 0.5
+        ideal = 1 / (1 - idle_formula("zb_h1", 4, m))
+        assert ideal < pipeline_stretch(cfg, zb.layout, m) < pipeline_stretch(cfg, one.layout, m)
+        assert build_timetable("zb_h1", 4, m).lockstep_time(1, 2, 1) == 3 * ideal * m
+    full = by[("zb_h1", "full", False, 4)].layout
+    assert weight_share(cfg, full) == 0
+    assert pipeline_stretch(cfg, full, 4) >= pipeline_stretch(cfg, by[("1f1b", "full", False, 4)].layout, 4)
 
 
 def test_shared_compute_units_sum_every_devices_work():

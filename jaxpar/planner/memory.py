@@ -15,6 +15,8 @@
                 or keeps only each in-flight microbatch's input (recompute: true)
     working     what is live while a backward recomputes: a share of one layer's activations
                 (remat), a whole stage's for one microbatch (pipeline)
+    w_kept      zb_h1: per layer and microbatch between its Bx and its W, what W reads that Bx
+                computed (w_kept_bytes), in the timetable's w slots (d + 1 on device d)
     logits      float32 [tokens, vocab / tensor] logits, their softmax and gradient
                 (train.loss_chunk: only a chunk's)
 
@@ -35,6 +37,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import Config
+from jaxpar.parallel.pipeline.schedule import SPLIT
 from jaxpar.planner.layout import Layout, abstract_plan, timetable
 from jaxpar.sharding import Plan, entry_axes
 from jaxpar.train.precision import DTYPES, has_masters
@@ -100,6 +103,11 @@ class ModelShape:
             ffn = ((m.moe.every_n - 1) * m.ffn_dim + moe_ffn) / m.moe.every_n
         return cls(m.dim, m.resolved_head_dim, m.n_heads, m.n_kv_heads, int(ffn), m.n_layers, m.vocab_size)
 
+    @property
+    def layer_weights(self) -> int:
+        """A layer's matmul weights: q, k, v, o and the MLP's three at the per-token width."""
+        return self.dim * (2 * self.heads + 2 * self.kv_heads) * self.head_dim + 3 * self.dim * self.ffn
+
 
 def attention_impl(cfg: Config) -> str:
     from jaxpar.attention import resolve
@@ -129,6 +137,26 @@ def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, 
     heads = (ms.heads + ms.kv_heads) * ms.head_dim / t
     scores = ms.heads * seq / t if xla_attention else 0.0  # float32 [heads, keys] per query token
     return c * (d_copies * d + k["heads"] * heads + k["mlp"] * ms.ffn / t) + 4 * k["scores"] * scores
+
+
+def w_kept_bytes(cfg: Config, layout: Layout) -> float:
+    """Bytes zb_h1's Bx keeps for W per token and layer (parallel/pipeline/split.py: what W's
+    equations read of Bx's values). Without remat the weight matmuls' output cotangents (q, k, v,
+    the attention and MLP outputs', gate, up) in the compute dtype and the two norms' output
+    cotangents for the scale sums in float32 (measured: 4 D + (H + 2K) hd + 2 F elements, 1536
+    a token on the tests' model; the norms' 2 D float32 with bf16 compute too). Under a train.remat policy the weight
+    matmuls stay in Bx (timing.weight_share) and it keeps the layer's float32 weight gradients
+    instead (measured: one layer's params a slot), per microbatch: divided by its tokens here."""
+    ms = ModelShape.of(cfg.model)
+    t = layout.size("tensor")
+    c = itemsize(cfg.train.compute_dtype)
+    if layout.remat != "none":
+        batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
+        seqs = cfg.train.global_batch / batch_div / layout.micro
+        tokens = seqs * cfg.train.seq_len / layout.size("context")
+        return (ms.layer_weights / t + 2 * ms.dim) * 4 / tokens
+    d = ms.dim / t if cfg.sharding.sequence_parallel else ms.dim
+    return 2 * d * (c + 4) + c * ((ms.heads + 2 * ms.kv_heads) * ms.head_dim + 2 * ms.ffn) / t
 
 
 def in_flight(layout: Layout, microbatches: int) -> int:
@@ -191,10 +219,10 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
 
 
 def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
-    """activations, working, logits, batch (module doc)."""
+    """activations, working, w_kept, logits, batch (module doc)."""
     t = cfg.train
     c = itemsize(t.compute_dtype)
-    out = {}
+    out = {"w_kept": 0.0}
     ms = ModelShape.of(cfg.model)
     batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
     microbatches = layout.micro
@@ -219,10 +247,12 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
         # A forward tick stashes its stage's vjp residuals for its backward: the timetable's
         # residual slots of one microbatch's stage activations each, plus the working set.
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-        slots = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, False).n_r_slots
+        tt = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, False)
         stage = tokens * layers / v * (kept if layout.remat != "none" else full)
-        out["activations"] = STASH_PER_SLOT * slots * stage
+        out["activations"] = STASH_PER_SLOT * tt.n_r_slots * stage
         out["working"] = STASH_WORKING * stage
+        if tt.n_w_slots:  # the runner's ring buffer: the timetable's w slots and one for nobody
+            out["w_kept"] = (tt.n_w_slots + 1) * tokens * layers * w_kept_bytes(cfg, layout)
     else:
         out["activations"] = tokens * layers * kept
         out["working"] = WORKING * tokens * full if layout.remat != "none" else 0.0
@@ -248,6 +278,8 @@ def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: in
                 forward's, or the zeros of the other branches), filed into the ring buffer, the
                 stage's float32 gradient accumulators and its activation / cotangent buffers,
                 idle or not
+      zb_h1     what Bx keeps for W (w_kept_bytes), written and read back per microbatch, and
+                its ring buffer's slot each tick like the residuals'
     Why: a small model's step on a CPU is bound by this traffic as much as by its FLOPs
     (remat `full` runs faster than none there), and it is the roofline's other axis on a GPU."""
     t = cfg.train
@@ -269,6 +301,9 @@ def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: in
     else:
         stash = tokens * layers * kept
         residuals = stash
+    if p > 1 and layout.schedule in SPLIT:
+        w = tokens * layers * w_kept_bytes(cfg, layout)
+        stash, residuals = stash + w, residuals + w
     loss_tokens = min(tokens, t.loss_chunk * seqs) if t.loss_chunk else tokens
     stash += loss_tokens * ms.vocab / tp * 4
     if layout.zero_stage >= 3:  # each layer's weights gathered whole (written) for each pass

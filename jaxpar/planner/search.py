@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxpar.config import MESH_AXES, Config, ConfigError
+from jaxpar.parallel.pipeline.schedule import SPLIT
 from jaxpar.planner.cluster import Cluster
 from jaxpar.planner.comm import step_collectives
 from jaxpar.planner.layout import Layout, abstract_plan
@@ -18,9 +19,9 @@ from jaxpar.train.layout_checks import check_layout
 from jaxpar.train.precision import DTYPES
 
 REMATS = ("none", "dots_saveable", "full")
-# zb_h1 is left out: its weight-gradient half costs a whole backward today (docs/pipeline.md),
-# which the timetable's lockstep model (halves of b/2) does not know
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# zb_h1 only without pipeline.recompute (its split backward reads the forward's residuals): its
+# bubble is a third of 1f1b's, paid for with the cotangents Bx keeps for W (memory.w_kept_bytes)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 MAX_MICROBATCHES = 512
 # mesh.context is searched from this sequence length on (or when --layout fixes it): below it the
 # activations it divides are small next to the weights, and its collectives run every layer
@@ -135,7 +136,7 @@ def options(cfg: Config, mesh: dict[str, int]):
                     v = 2 if sched == "interleaved_1f1b" else 1
                     if v > 1 and m.n_layers % (p * v):
                         continue
-                    for recompute in (False, True):
+                    for recompute in (False,) if sched in SPLIT else (False, True):
                         yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched,
                                    virtual_stages=v, recompute=recompute)
 

@@ -19,7 +19,8 @@ fixed costs + pipeline bubble; on compute units shared by several devices, all d
             tick_overhead_us per pipeline tick (every device runs every tick)
   bubble    a pipeline's timetable (jaxpar/parallel/pipeline/schedule.py) in lockstep: its ticks
             over the stage work 3m (idle ticks, the last stage's forward folded into its
-            backward, pipeline.recompute's second forward), as a stretch of the critical path
+            backward, pipeline.recompute's second forward; zb_h1's Bx and W ticks at their own
+            costs, weight_share), as a stretch of the critical path
   shared    with devices_per_unit > 1 (8 forced CPU devices on 2 cores) the step lasts at least
             the work of every device (compute, memory, fixed; pipeline.recompute's forward
             again) over the units, plus the collectives: replicated work counts once per
@@ -31,9 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxpar.metrics import llama_flops_per_token
+from jaxpar.parallel.pipeline.schedule import SPLIT
 from jaxpar.planner.cluster import Cluster
 from jaxpar.planner.layout import Layout, timetable
-from jaxpar.planner.memory import activation_terms, state_terms, step_traffic
+from jaxpar.planner.memory import ModelShape, activation_terms, state_terms, step_traffic
 
 RECOMPUTE = {"none": 1.0, "dots_saveable": 1.05, "dots_with_no_batch_dims_saveable": 1.05, "full": 4 / 3}
 
@@ -53,16 +55,32 @@ def recompute_factor(layout: Layout) -> float:
     return RECOMPUTE[layout.remat]
 
 
-def pipeline_stretch(layout: Layout, microbatches: int) -> float:
+def pipeline_stretch(cfg, layout: Layout, microbatches: int) -> float:
     """The pipeline runner's lockstep time (its timetable: bubble, the last stage's forward
     folded into its backward, recompute) over the stage work without them, 3m (forward 1,
-    backward 2)."""
+    backward 2; zb_h1's split backward: W by weight_share, Bx the rest)."""
     p = layout.size("pipeline")
     if p == 1:
         return 1.0
     v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
     tt = timetable(layout.schedule, p, microbatches, v, layout.recompute)
-    return tt.lockstep_time(1.0, 2.0) / (3.0 * microbatches)
+    w = 2.0 * weight_share(cfg, layout) if layout.schedule in SPLIT else None
+    return tt.lockstep_time(1.0, 2.0, w) / (3.0 * microbatches)
+
+
+def weight_share(cfg, layout: Layout) -> float:
+    """zb_h1's W as a part of a whole backward (Bx the rest): without remat the layer's weight
+    matmuls x^T dz, 2 FLOPs per weight and token, over the backward, twice the forward (those
+    weights' 2 a token and attention's scores and values, 4 S H hd): 0.48 for
+    tests/test_pipeline_perf.py's model (S = 32), as XLA counts its branches there. Under a
+    train.remat policy the cut (parallel/pipeline/split.py) leaves the weight matmuls on Bx's
+    side and W only adds the gradients Bx kept: 0 (measured, tiny model, remat full and
+    dots_saveable: W 0.4 MFLOP against 50.8 without remat)."""
+    if layout.remat != "none":
+        return 0.0
+    ms = ModelShape.of(cfg.model)
+    attention = 2 * cfg.train.seq_len * ms.heads * ms.head_dim
+    return ms.layer_weights / (2 * (ms.layer_weights + attention))
 
 
 def pipeline_ticks(layout: Layout, microbatches: int) -> int:
@@ -135,7 +153,8 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
     fresh = 0.0
     if cluster.fresh_gbps:
         act = activation_terms(cfg, layout)
-        fresh = (act["activations"] + act["working"] + act["logits"]) / (cluster.fresh_gbps * 1e9)
+        temps = act["activations"] + act["working"] + act["w_kept"] + act["logits"]
+        fresh = temps / (cluster.fresh_gbps * 1e9)
     part_c, part_m = roofline(compute, memory + fresh, eff.memory_overlap)
     part_f = part_m * fresh / (memory + fresh) if fresh else 0.0  # fresh's share, for the fit
     by_purpose = comm["purpose"]
@@ -152,7 +171,7 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
     on_path = (exposed["tensor"] + exposed["pipeline"] + exposed["expert"] + exposed["context"]
                + exposed["zero3_gather"])
     # one device's critical path, stretched by the pipeline's lockstep timetable
-    stretch = pipeline_stretch(layout, micro)
+    stretch = pipeline_stretch(cfg, layout, micro)
     critical = part_c + part_m + layer_fixed + on_path
     bubble = (stretch - 1.0) * critical
     step = critical + bubble + tick_fixed + exposed["grad_sync"]

@@ -184,17 +184,20 @@ class Timetable:
             peaks.append(peak)
         return peaks
 
-    def lockstep_time(self, forward: float = 1.0, backward: float = 2.0) -> float:
+    def lockstep_time(self, forward: float = 1.0, backward: float = 2.0,
+                      weight: float | None = None) -> float:
         """Wall time of the runner's ticks in units of one device's whole forward (all its layers)
         of one microbatch, with a backward costing `backward` forwards. Ticks are lockstep (the
         ppermutes at their end), so each lasts as long as its slowest device; with `recompute`
         a backward runs its forward again (+1); the last stage's forward is folded into its
-        backward (which costs forward + backward in either mode). A split backward's halves cost
-        `backward` / 2 each, the last stage's input half its head and loss too (not counted)."""
+        backward (which costs forward + backward in either mode). A split backward's W costs
+        `weight` (None: `backward` / 2) and its Bx the rest, the last stage's Bx its head and
+        loss too (not counted): uneven halves make every tick that mixes them last the longer."""
         f, b = forward / self.v, backward / self.v
+        w = b / 2 if weight is None else weight / self.v
         rb = b + (f if self.recompute else 0.0)
         #                IDLE F_FIRST F_MID B_FIRST B_MID B_LAST F_LAST BX_FIRST BX_MID BX_LAST W
-        cost = np.array([0.0, f, f, rb, rb, f + b, f, b / 2, b / 2, b / 2, b / 2])
+        cost = np.array([0.0, f, f, rb, rb, f + b, f, b - w, b - w, b - w, w])
         return float(cost[self.code].max(axis=1).sum())
 
     def render(self, width: int = 4) -> str:
