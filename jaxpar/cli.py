@@ -80,9 +80,28 @@ def _launch_ray(args: argparse.Namespace, command: list[str]) -> int:
                                  node_timeout=args.node_timeout))
 
 
+def _int_list(text: str) -> list[int]:
+    """`4096,8192` -> [4096, 8192] (argparse reports the error with the option's name)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, e.g. 4096,8192")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected names separated by commas, e.g. xla,blockwise")
+    return values
+
+
 def _bench(args: argparse.Namespace) -> int:
     from jaxpar.bench import run_bench
-    return run_bench(args.name, args.config, args.overrides, as_json=args.json, plot=args.plot)
+    options = {k: v for k, v in (("seqs", args.seqs), ("impls", args.impls)) if v is not None}
+    return run_bench(args.name, args.config, args.overrides, as_json=args.json, plot=args.plot, options=options)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -99,6 +118,8 @@ def _plot(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from jaxpar.observe.profiler import HOW_TO_OPEN, run_profile_dir, trace_files
     sub = run_profile_dir(args.run_dir) if args.run_dir else "profile"
+    if args.summary:
+        return _profile_summary(args.run_dir, sub, args.json)
     print(HOW_TO_OPEN.replace("RUN_DIR/profile", f"{args.run_dir or 'RUN_DIR'}/{sub}")
           .replace("RUN_DIR", args.run_dir or "RUN_DIR"))
     if args.run_dir:
@@ -109,6 +130,43 @@ def _profile(args: argparse.Namespace) -> int:
         print("trace files:")
         for f in files:
             print(f"  {f}")
+    return 0
+
+
+def _profile_summary(run_dir: str | None, sub: str, as_json: bool) -> int:
+    """`jaxpar profile RUN_DIR --summary`: the window's device busy / idle time and top ops."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from jaxpar.observe.trace_summary import format_summary, load_trace, perfetto_trace, summarize
+    if not run_dir:
+        raise ConfigError("jaxpar profile --summary: give the run's directory (RUN_DIR)")
+    trace = perfetto_trace(run_dir, sub)
+    if trace is None:
+        print(f"no perfetto_trace.json.gz under {run_dir}/{sub} (a profile.steps run with profile.perfetto=true "
+              f"writes one)")
+        return 1
+    try:
+        window = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}).get("profile", {}).get("steps")
+    except (OSError, ValueError, AttributeError):
+        window = None
+    steps = window[1] - window[0] + 1 if window else None
+    records = []
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.is_file():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    try:
+        summary = summarize(load_trace(trace), steps)
+    except (OSError, ValueError) as e:  # not gzip, not JSON, no events
+        raise ConfigError(f"jaxpar profile --summary: cannot read {trace}: {e}") from e
+    summary.update({"trace": str(trace), "profiled_steps": window})
+    if as_json:
+        print(json.dumps({**summary, "records": records}, indent=2))
+    else:
+        print(f"trace: {trace}" + (f" (steps {window[0]}-{window[1]})" if window else ""))
+        print(format_summary(summary, [r for r in records if "tokens_per_s" in r]))
     return 0
 
 
@@ -161,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="pipeline: draw the timetable")
+    b.add_argument("--seqs", default=None, type=_int_list, metavar="N,N",
+                   help="attention: the sequence lengths (default 2048,8192)")
+    b.add_argument("--impls", default=None, type=_name_list, metavar="NAME,NAME",
+                   help="attention: the implementations, of xla, blockwise, cudnn (default xla,blockwise; "
+                        "cudnn runs only on a GPU in 16 bits, elsewhere it is skipped with the reason)")
     b.set_defaults(fn=_bench)
     from jaxpar.planner.cli import add_parser as add_plan_parser
     add_plan_parser(sub)
@@ -175,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     gp.set_defaults(fn=_goodput)
     pr = sub.add_parser("profile", help="how to open a profile.steps trace (and which files a run has)")
     pr.add_argument("run_dir", nargs="?", default=None, metavar="RUN_DIR")
+    pr.add_argument("--summary", action="store_true", help="the trace's figures: device busy / idle time per "
+                    "step (the loop's host gap), collectives under compute, top device ops, MFU")
+    pr.add_argument("--json", action="store_true", help="--summary: machine-readable output")
     pr.set_defaults(fn=_profile)
     ck = sub.add_parser("checkpoint", help="look into checkpoints: jaxpar checkpoint inspect DIR")
     ck_sub = ck.add_subparsers(dest="action", required=True)

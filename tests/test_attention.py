@@ -322,6 +322,38 @@ def test_bench_attention_rows_and_table():
     assert "blockwise" in text and "ratio" in text
 
 
+def test_bench_attention_cudnn_skipped_off_gpu_and_step_rows_timed():
+    """--impls with cudnn on a CPU: cudnn skipped with the reason, the others measured; the step
+    rows timed (as on a GPU) when asked, one state carried through them."""
+    mod, cfg = load("attention", None, ["model.n_layers=1", "train.compute_dtype=float32",
+                                        "model.attention_block=16"])
+    res = mod.run(cfg, seqs=(32, 64), impls=("cudnn", "blockwise"), doc=16, time_steps=True)
+    assert "needs a GPU" in res["skipped"]["cudnn"]
+    assert [(r["kind"], r["seq"]) for r in res["rows"]] == [
+        ("layer", 32), ("packed", 32), ("layer", 64), ("packed", 64), ("step", 32), ("step", 64)]
+    assert not any(r.get("error") for r in res["rows"]) and all(r["impl"] == "blockwise" for r in res["rows"])
+    steps = [r for r in res["rows"] if r["kind"] == "step"]
+    assert all(r["time_s"] > 0 and r["host_call_s"] > 0 and r["temp_bytes"] > 0 for r in steps)
+    text = mod.format_result({"benchmark": "attention", **res})
+    assert "skipped cudnn: cuDNN flash attention needs a GPU" in text and "(timed)" in text
+
+
+def test_bench_attention_options_one_clear_error(capsys):
+    from jaxpar.bench.attention import check_options
+    from jaxpar.cli import main
+    with pytest.raises(ConfigError, match="valid are xla, blockwise, cudnn"):
+        check_options([2048], ["flash"])
+    with pytest.raises(ConfigError, match="positive integers"):
+        check_options([0], ["xla"])
+    with pytest.raises(SystemExit):
+        main(["bench", "attention", "--seqs", "4096,8k"])
+    assert "--seqs: '4096,8k': expected positive integers" in capsys.readouterr().err
+    assert main(["bench", "attention", "--impls", "xla,flash"]) == 2
+    assert "implementations ['xla', 'flash']" in capsys.readouterr().err
+    assert main(["bench", "memory", "--seqs", "64"]) == 2  # an option of another benchmark
+    assert "--seqs is not an option of this benchmark" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("preset", ["tiny", "moe_tiny"])
 def test_models_with_segment_ids_blockwise_equals_xla(preset):
     """Both models pass segment ids down to attention: logits of packed sequences agree between

@@ -139,6 +139,55 @@ def test_profile_window_writes_trace(trainer, tmp_path, capsys):
     assert main(["profile", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "xprof --logdir" in out and "ui.perfetto.dev" in out and files[0].name in out
+    assert main(["profile", str(tmp_path), "--summary"]) == 0  # a CPU trace: no device lines
+    out = capsys.readouterr().out
+    assert "profile window:" in out and "no device lines" in out and "PjitFunction(" in out
+
+
+def _trace(path, events):
+    import gzip
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+            {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "Stream #8(Nccl)"}},
+            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Modules"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "tid": 1, "name": "thread_name", "args": {"name": "python3"}}]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta + [{"ph": "X", **e} for e in events]}, f)
+
+
+def test_trace_summary_device_busy_idle_collectives_and_dispatch(tmp_path, capsys):
+    """Two steps of 10 ms (µs below): compute 0-6 and 10-16, an all-reduce 5-8 on another stream
+    (1 of its 3 ms under compute), the modules 0-8 and 10-16; two nested dispatch events per call."""
+    ev = [dict(pid=1, tid=7, name="fusion.1", ts=0, dur=6000), dict(pid=1, tid=7, name="fusion.1", ts=10000, dur=6000),
+          dict(pid=1, tid=8, name="all-reduce-start.3", ts=5000, dur=3000),
+          dict(pid=1, tid=9, name="jit_step(1)", ts=0, dur=8000),
+          dict(pid=1, tid=9, name="jit_step(1)", ts=10000, dur=6000),
+          dict(pid=2, tid=1, name="PjitFunction(jit(step))", ts=-1000, dur=500),
+          dict(pid=2, tid=1, name="PjitFunction(jit(step))", ts=-900, dur=300),
+          dict(pid=2, tid=1, name="PjitFunction(jit(step))", ts=9000, dur=500),
+          dict(pid=2, tid=1, name="PjitFunction(jit(step))", ts=9100, dur=300)]
+    run = tmp_path / "run"
+    _trace(run / "profile" / "plugins" / "profile" / "t" / "perfetto_trace.json.gz", ev)
+    (run / "config.yaml").write_text("profile:\n  steps: [4, 5]\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0, "tokens_per_s": 5000.0,
+                                                   "step_time_s": 0.01, "mfu": 0.42}) + "\n")
+    from jaxpar.observe.trace_summary import load_trace, summarize
+    s = summarize(load_trace(run / "profile/plugins/profile/t/perfetto_trace.json.gz"), steps=2)
+    assert s["window_ms"] == pytest.approx(17.0) and s["basis"] == "CUDA streams"
+    assert s["device_busy_ms"] == pytest.approx(14.0) and s["device_idle_per_step_ms"] == pytest.approx(1.5)
+    assert s["collective_ms"] == pytest.approx(3.0) and s["collective_hidden_ms"] == pytest.approx(1.0)
+    assert s["modules"] == {"count": 2, "ms": pytest.approx(14.0), "gaps_ms": pytest.approx(2.0),
+                            "max_gap_ms": pytest.approx(2.0)}
+    assert s["dispatch"] == [{"name": "PjitFunction(jit(step))", "count": 2, "mean_ms": pytest.approx(0.5)}]
+    assert s["top_ops"][0] == {"name": "fusion.1", "count": 2, "ms": pytest.approx(12.0)}
+    assert main(["profile", str(run), "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "(steps 4-5)" in out and "8.50 ms per step" in out and "33% overlapped" in out
+    assert "logged step 10: 5000 tokens/s, step 10.0 ms, MFU 42.0%" in out
+    assert main(["profile", str(tmp_path / "none"), "--summary"]) == 1
+    assert "no perfetto_trace.json.gz" in capsys.readouterr().out
 
 
 class Sleeper(Callback):

@@ -392,6 +392,22 @@ def test_memory_roofline_and_rendezvous_latency():
     assert a100.memory_gbps is None and a100.fresh_gbps is None and not a100.shared_compute
 
 
+def test_calibration_plan_per_platform():
+    """One GPU: large sizes, no all-reduce (nothing to reduce over), no first touches, HBM
+    bandwidth still measured; forced CPU devices: small sizes, a rendezvous, shared units."""
+    from jaxpar.planner.calibrate import calibration_plan
+    gpu1 = calibration_plan("gpu", 1)
+    assert gpu1.matmul_n >= 8192 and gpu1.memory_bytes >= 2**30 > 60 * 2**20  # beyond an H200's L2
+    assert gpu1.allreduce_bytes is None and not gpu1.together and not gpu1.first_touch
+    gpu8 = calibration_plan("gpu", 8)
+    assert gpu8.allreduce_bytes and gpu8.together and gpu8.collective == "ring"
+    cpu8 = calibration_plan("cpu", 8)
+    assert cpu8.matmul_n == 512 and cpu8.first_touch and cpu8.collective == "rendezvous" and cpu8.together
+    assert calibration_plan("tpu", 4).collective == "ring"
+    with pytest.raises(ValueError, match="no local devices"):
+        calibration_plan("gpu", 0)
+
+
 def test_calibrate_writes_a_loadable_description(tmp_path):
     import os
     out = tmp_path / "here.yaml"

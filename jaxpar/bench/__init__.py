@@ -8,7 +8,8 @@
   checkpoint  save / restore MB/s of a ~300 MB state; slowdown of steps overlapping an async save
   compression  gradient-reduction bytes per step per compression method (HLO) and loss beside none
   convert   Hugging Face import / export MB/s of a ~300 MB checkpoint (safetensors <-> sharded params)
-  attention  temp memory per device and time of xla vs blockwise attention at 2K / 8K tokens
+  attention  temp memory per device and time of xla vs blockwise (vs cudnn on a GPU) attention at
+            2K / 8K tokens (--seqs, --impls), per call and per train step
   planner   predicted vs measured step time over 11 layouts (Spearman), time to plan 70B on 1024 GPUs
   packing   data.packing on the stdlib tokenized by a BPE: padding per seq_len, packed step's cost
   context   xla / blockwise (a sequence per device) vs ring / all_to_all (a sequence over mesh.context):
@@ -24,12 +25,14 @@ benchmark module has `LAYOUT` (its default overrides), `run(cfg) -> dict` (JSON-
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
 from jaxpar.bench.common import build_config, check_name
+from jaxpar.config import ConfigError
 from jaxpar.xla import apply_xla_flags
 
 BENCHMARKS: dict[str, str] = {
@@ -70,14 +73,27 @@ def split_args(config_path: str | None, overrides: Sequence[str]) -> tuple[str |
     return config_path, overrides
 
 
+def check_options(name: str, mod, options: dict) -> None:
+    """A benchmark's own options (--plot, --seqs, --impls) go to its `run`; one that this
+    benchmark does not take is an error, not silently ignored."""
+    params = inspect.signature(mod.run).parameters
+    bad = [k for k in options if k == "log" or k not in params]
+    if bad:
+        raise ConfigError(f"jaxpar bench {name}: {', '.join('--' + k for k in bad)} is not an option of "
+                          f"this benchmark")
+
+
 def run_bench(name: str, config_path: str | None, overrides: Sequence[str], as_json: bool = False,
-              out: Callable[[str], None] | None = None, plot: str | None = None) -> int:
+              out: Callable[[str], None] | None = None, plot: str | None = None,
+              options: dict | None = None) -> int:
     """What the CLI runs. Prints the table, or with `as_json` one JSON document, on stdout."""
     config_path, overrides = split_args(config_path, overrides)
+    options = {**({"plot": plot} if plot else {}), **(options or {})}  # --plot: pipeline
+    check_options(name, get(name), options)
     mod, cfg = load(name, config_path, overrides)
     apply_xla_flags(cfg)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # progress; stdout holds only the result
-    result = mod.run(cfg, log=log, **({"plot": plot} if plot else {}))  # --plot: pipeline
+    result = mod.run(cfg, log=log, **options)
     result = {"benchmark": name, **result}
     out = out or print
     if as_json:

@@ -5,12 +5,18 @@ bandwidth (every device at once, over the units; on a CPU also the rate of first
 fresh memory), all-reduce bandwidth and latency over the local devices, the fixed cost of a loop
 iteration (efficiency.layer_overhead_us) and of a pipeline tick (a switch and a send:
 efficiency.tick_overhead_us), memory per device (the accelerator's, or the host's RAM shared by
-forced CPU devices)."""
+forced CPU devices).
+
+On a GPU (or TPU), one device alone included: larger problems (a [8192, 8192] matmul, 2 GiB of
+memory traffic) so that one call runs well past its launch, random matmul inputs (a unit's
+throughput on zeros or ones is above what training sees), no all-reduce on a single device
+(its links are placeholders then) and no first-touch rate (the allocator reuses buffers)."""
 from __future__ import annotations
 
 import os
 import socket
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +24,31 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.planner.cluster import GIB, Cluster, Efficiency, Link
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What calibrate measures on a platform with `devices` local devices, and at what size."""
+
+    matmul_n: int                 # [n, n] @ [n, n]
+    memory_bytes: int             # per device, read and written back
+    allreduce_bytes: int | None   # per device; None: one device, nothing to reduce over
+    together: bool                # time every device's matmul at once too (shared compute units)
+    first_touch: bool             # measure the rate of first touches of fresh memory (CPU)
+    collective: str               # Link.collective of the intra-host link
+
+
+def calibration_plan(platform: str, devices: int) -> Plan:
+    """CPU: small sizes (forced devices share a few cores); an accelerator: sizes that keep one
+    call well past its launch overhead and beyond the caches (an H200 holds 60 MB of L2)."""
+    if devices < 1:
+        raise ValueError(f"calibrate: no local devices ({devices})")
+    cpu = platform == "cpu"
+    return Plan(matmul_n=512 if cpu else 8192, memory_bytes=(16 if cpu else 2048) * 2**20,
+                allreduce_bytes=None if devices == 1 else (4 if cpu else 64) * 2**20,
+                together=devices > 1, first_touch=cpu,
+                # one process's CPU devices: a collective is one rendezvous in shared memory
+                collective="rendezvous" if cpu else "ring")
 
 
 def _best(fn, repeats: int = 5) -> float:
@@ -38,8 +69,13 @@ def _everywhere(fn, per_device_shape, dtype=jnp.float32, out_specs=None):
     spec = P("d")
     f = jax.jit(jax.shard_map(lambda x: fn(x[0])[None], mesh=mesh, in_specs=spec,
                               out_specs=spec if out_specs is None else out_specs))
-    x = jax.device_put(jnp.ones((len(devs), *per_device_shape), dtype), NamedSharding(mesh, spec))
+    x = jax.device_put(_random((len(devs), *per_device_shape), dtype), NamedSharding(mesh, spec))
     return f, x
+
+
+def _random(shape, dtype):
+    """Normal values: a GPU's matmul runs measurably faster on constant inputs than on data."""
+    return jax.random.normal(jax.random.PRNGKey(0), shape, jnp.float32).astype(dtype)
 
 
 def matmul_tflops(dtype, n: int, everywhere: bool = False) -> float:
@@ -47,7 +83,7 @@ def matmul_tflops(dtype, n: int, everywhere: bool = False) -> float:
     if everywhere:
         f, a = _everywhere(lambda x: x @ x, (n, n), dtype)
         return jax.local_device_count() * 2 * n**3 / _best(lambda: f(a)) / 1e12
-    a = jnp.ones((n, n), dtype)
+    a = _random((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
     return 2 * n**3 / _best(lambda: f(a)) / 1e12
 
@@ -140,10 +176,11 @@ def memory_per_device() -> float:
 
 def calibrate() -> Cluster:
     platform = jax.devices()[0].platform
-    n = 4096 if platform != "cpu" else 512
     devices = jax.local_device_count()
+    plan = calibration_plan(platform, devices)
+    n = plan.matmul_n
     single = matmul_tflops(jnp.float32, n)
-    together = matmul_tflops(jnp.float32, n, everywhere=True)
+    together = matmul_tflops(jnp.float32, n, everywhere=True) if plan.together else single * devices
     per_unit = devices_per_unit(single, together)
     units = -(-devices // per_unit)
     # a unit's throughput: all devices at once over the units (each alone, without sharing)
@@ -152,15 +189,14 @@ def calibrate() -> Cluster:
                          else matmul_tflops(jnp.bfloat16, n))
     peaks = {k: round(v, 4) for k, v in peaks.items()}
     share = units if per_unit > 1 else devices
-    mem, fresh = memory_gbps(256 * 2**20 if platform != "cpu" else 16 * 2**20)
-    mem, fresh = mem / share, (fresh / share if fresh and platform == "cpu" else None)
+    mem, fresh = memory_gbps(plan.memory_bytes)
+    mem, fresh = mem / share, (fresh / share if fresh and plan.first_touch else None)
     loop_us, tick_us = loop_overhead_us()
-    bw, lat = allreduce(64 * 2**20 if platform != "cpu" else 4 * 2**20) if jax.local_device_count() > 1 \
-        else (1.0, 1e-5)
-    if platform == "cpu":  # one process's devices: a collective is one rendezvous in shared memory
+    bw, lat = allreduce(plan.allreduce_bytes) if plan.allreduce_bytes else (1.0, 1e-5)
+    if plan.collective == "rendezvous":
         link = Link(bandwidth_gbps=round(bw, 3), latency_us=round(lat * 1e6, 2), collective="rendezvous")
     else:
-        steps = 2 * max(1, jax.local_device_count() - 1)  # ring steps of one all-reduce
+        steps = 2 * max(1, devices - 1)  # ring steps of one all-reduce
         link = Link(bandwidth_gbps=round(bw, 3), latency_us=round(lat / steps * 1e6, 2))
     # measured peaks are achieved throughput already: the model's efficiencies start near 1
     # fixed costs as one device's work: on shared units, all devices' loops queue on them
