@@ -65,27 +65,37 @@ def test_step_flops_drop_by_one_stage_forward_per_microbatch(flops):
     assert saved >= 0.8 * m * (p - 1) * stage_forward_flops()
 
 
-def test_zb_h1_splits_the_backward_into_halves(flops, devices):
+@pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])
+def test_zb_h1_splits_the_backward_into_halves(remat, flops, devices):
     """Bx of the first stage (its layers' input cotangent, then the embedding's gradient) skips
     the weight-gradient matmuls: a forward's worth below the whole backward. W runs only those:
     each layer's weight gradients from what Bx kept (the weight matmuls' output cotangents) and
     the forward's residuals (their inputs), with no activation-gradient chain, so Bx + W is one
     whole backward and W about half of it (W applying the stage's whole vjp again, as before,
-    cost 0.9-1.0 of a whole backward: the chain through the stage's layers ran twice)."""
-    zb = branch_flops(P4 + ["pipeline.schedule=zb_h1"], devices[:4], (BX_FIRST, W))
-    whole, fwd = flops[False][B_FIRST], stage_forward_flops()
+    cost 0.9-1.0 of a whole backward: the chain through the stage's layers ran twice). The
+    same under a train.remat policy, whose layer backward is one remat2 equation: Bx recomputes
+    the forward and keeps what W reads of it (left uninlined, W ran 0.4 MFLOP and Bx the
+    weight matmuls: no zero-bubble advantage)."""
+    layout = P4 + [f"train.remat={remat}"]
+    zb = branch_flops(layout + ["pipeline.schedule=zb_h1"], devices[:4], (BX_FIRST, W))
+    one = flops[False] if remat == "none" else branch_flops(layout, devices[:4], (B_FIRST, B_MID))
+    whole, fwd = one[B_FIRST], stage_forward_flops()
     assert whole - zb[BX_FIRST] == pytest.approx(fwd, rel=0.1)
     assert zb[BX_FIRST] + zb[W] == pytest.approx(whole, rel=0.1)
-    assert zb[W] <= 0.6 * flops[False][B_MID]
+    assert zb[W] <= 0.6 * one[B_MID]
     # the weight matmuls (x^T dz, one per weight) and the norm scales' sums, nothing else
     assert zb[W] == pytest.approx(weight_matmul_flops(), rel=0.05)
 
 
 # pipeline alone (every schedule, zb_h1 too, p = 2 and 4, without recompute: the default) is
 # tests/test_pipeline.py's full matrix, 1f1b with data and tensor its dp2-pp2-tp2 case; here zb_h1
-# and ZeRO-3 composed
+# (without and with a remat policy) and ZeRO-3 composed
 @pytest.mark.parametrize("overrides", [
     ["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=4", "pipeline.schedule=zb_h1"],
+    # zb_h1 under remat: the split inlines the layer backward's remat2 equation
+    ["mesh.pipeline=4", "train.grad_accum=4", "pipeline.schedule=zb_h1", "train.remat=full"],
+    ["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=4", "pipeline.schedule=zb_h1",
+     "train.remat=dots_saveable"],
     ["mesh.fsdp=2", "mesh.pipeline=2", "sharding.zero_stage=3", "train.grad_accum=2", "mesh.tensor=2"],
 ])
 def test_no_recompute_grads_match_one_device(overrides, reference, devices):

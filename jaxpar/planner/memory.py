@@ -139,24 +139,39 @@ def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, 
     return c * (d_copies * d + k["heads"] * heads + k["mlp"] * ms.ffn / t) + 4 * k["scores"] * scores
 
 
+# zb_h1 under a train.remat policy: what W reads of the forward that the policy did not save, so
+# Bx recomputed and keeps for W besides the cotangents, per token and layer (measured on XLA:CPU,
+# float32 and bf16 compute): "d32" float32 D-sized values (the norms' normalized inputs, for the
+# scale sums), "d" the norms' outputs (the q/k/v and gate/up matmuls' input), "heads" the
+# attention output (w_o's input, H hd), "mlp" F-sized values (w_down's input and the SwiGLU
+# parts its gate and up cotangents are made from), each in the compute dtype.
+W_RECOMPUTED = {
+    "full": {"d32": 2.0, "d": 2.0, "heads": 1.0, "mlp": 2.0},
+    "dots_saveable": {"d32": 2.0, "d": 0.0, "heads": 0.0, "mlp": 1.0},
+    # attention's batched dots are recomputed too
+    "dots_with_no_batch_dims_saveable": {"d32": 2.0, "d": 0.0, "heads": 1.0, "mlp": 1.0},
+}
+
+
 def w_kept_bytes(cfg: Config, layout: Layout) -> float:
     """Bytes zb_h1's Bx keeps for W per token and layer (parallel/pipeline/split.py: what W's
-    equations read of Bx's values). Without remat the weight matmuls' output cotangents (q, k, v,
-    the attention and MLP outputs', gate, up) in the compute dtype and the two norms' output
-    cotangents for the scale sums in float32 (measured: 4 D + (H + 2K) hd + 2 F elements, 1536
-    a token on the tests' model; the norms' 2 D float32 with bf16 compute too). Under a train.remat policy the weight
-    matmuls stay in Bx (timing.weight_share) and it keeps the layer's float32 weight gradients
-    instead (measured: one layer's params a slot), per microbatch: divided by its tokens here."""
+    equations read of Bx's values). The weight matmuls' output cotangents (q, k, v, the attention
+    and MLP outputs', gate, up) in the compute dtype and the two norms' output cotangents for the
+    scale sums in float32 (measured: 4 D + (H + 2K) hd + 2 F elements, 1536 a token on the tests'
+    model; the norms' 2 D float32 with bf16 compute too). Under a train.remat policy also the
+    matmul inputs that Bx recomputed (W_RECOMPUTED: 4 D + H hd + 2 F more with full, 1408 a token
+    on that model; 2 D float32 and F with dots_saveable, one D less measured with float32 compute,
+    where a norm's cast is its input); without remat those are residuals, in activations."""
     ms = ModelShape.of(cfg.model)
     t = layout.size("tensor")
     c = itemsize(cfg.train.compute_dtype)
-    if layout.remat != "none":
-        batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
-        seqs = cfg.train.global_batch / batch_div / layout.micro
-        tokens = seqs * cfg.train.seq_len / layout.size("context")
-        return (ms.layer_weights / t + 2 * ms.dim) * 4 / tokens
     d = ms.dim / t if cfg.sharding.sequence_parallel else ms.dim
-    return 2 * d * (c + 4) + c * ((ms.heads + 2 * ms.kv_heads) * ms.head_dim + 2 * ms.ffn) / t
+    out = 2 * d * (c + 4) + c * ((ms.heads + 2 * ms.kv_heads) * ms.head_dim + 2 * ms.ffn) / t
+    if layout.remat != "none":
+        k = W_RECOMPUTED[layout.remat]
+        out += 4 * k["d32"] * d + c * (k["d"] * d + (k["heads"] * ms.heads * ms.head_dim
+                                                    + k["mlp"] * ms.ffn) / t)
+    return out
 
 
 def in_flight(layout: Layout, microbatches: int) -> int:

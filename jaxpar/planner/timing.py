@@ -69,15 +69,13 @@ def pipeline_stretch(cfg, layout: Layout, microbatches: int) -> float:
 
 
 def weight_share(cfg, layout: Layout) -> float:
-    """zb_h1's W as a part of a whole backward (Bx the rest): without remat the layer's weight
-    matmuls x^T dz, 2 FLOPs per weight and token, over the backward, twice the forward (those
-    weights' 2 a token and attention's scores and values, 4 S H hd): 0.48 for
-    tests/test_pipeline_perf.py's model (S = 32), as XLA counts its branches there. Under a
-    train.remat policy the cut (parallel/pipeline/split.py) leaves the weight matmuls on Bx's
-    side and W only adds the gradients Bx kept: 0 (measured, tiny model, remat full and
-    dots_saveable: W 0.4 MFLOP against 50.8 without remat)."""
-    if layout.remat != "none":
-        return 0.0
+    """zb_h1's W as a part of a whole backward (Bx the rest): the layer's weight matmuls x^T dz,
+    2 FLOPs per weight and token, over the backward, twice the forward (those weights' 2 a token
+    and attention's scores and values, 4 S H hd): 0.48 for tests/test_pipeline_perf.py's model
+    (S = 32), as XLA counts its branches there. The same under a train.remat policy: the
+    recomputed forward lands in Bx (W reads what it recomputed), and is the remat factor's, as
+    in 1f1b's backward (measured, tiny model: W 50.8 MFLOP without remat, 50.8 with full, 50.9
+    with dots_saveable)."""
     ms = ModelShape.of(cfg.model)
     attention = 2 * cfg.train.seq_len * ms.heads * ms.head_dim
     return ms.layer_weights / (2 * (ms.layer_weights + attention))

@@ -12,8 +12,10 @@ weight matmul's output cotangent dz; the layer's output cotangent, which the las
 for W; W evaluates its part from those and the forward's residuals (the matmuls' inputs x, kept
 until W), layer by layer with no carry. Bx + W run each equation of the whole backward once, so
 the gradients are the same numbers.
-Call-like equations (jit, checkpoint) are inlined first: one `jit` whose transpose yields both an
-input and a weight cotangent would otherwise be one indivisible equation on Bx's side.
+Call-like equations (jit, remat) are inlined first: one `jit` whose transpose yields both an
+input and a weight cotangent would otherwise be one indivisible equation on Bx's side, and under
+train.remat a layer's whole backward is one remat2 equation (the recomputed forward with it).
+Inlined, the recomputed forward runs in Bx, which keeps for W the weight matmuls' inputs too.
 Param residuals are referenced, as in residuals.py. Tracing is deterministic, so the cut made in
 one trace (cached here) holds in every other trace of the same stage."""
 from __future__ import annotations
@@ -24,18 +26,22 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, primitives
 
 from jaxpar import nn
 from jaxpar.parallel.pipeline.residuals import StashPlan
-from jaxpar.sharding import vary_together
+from jaxpar.sharding import vary, vary_together
 
-_INLINE = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")
+# By identity, not name: jax.checkpoint's primitive is named "remat2" and call_p / closed_call_p
+# are "eval_jaxpr" in jax 0.12 ("call" / "closed_call" in 0.10). A remat'd layer's backward is
+# one remat2 equation (the recomputed forward and the whole backward): left shut, it is one
+# indivisible equation that feeds the input cotangent, and every weight matmul landed in Bx.
+_INLINE = (primitives.jit_p, primitives.call_p, primitives.closed_call_p, primitives.remat_p)
 
 
 def _callee(eqn) -> tuple[Jaxpr, list] | None:
     """The (jaxpr, consts) a call-like equation runs, or None."""
-    if eqn.primitive.name not in _INLINE:
+    if eqn.primitive not in _INLINE:
         return None
     sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     if isinstance(sub, ClosedJaxpr):
@@ -114,7 +120,12 @@ class _Cut:
             eqn, ins, keys = self.nodes[i]
             args = [a.val if isinstance(a, Literal) else env[a] for a in ins]
             with eqn.ctx.manager:
-                ans = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+                if eqn.primitive.name == "pvary":
+                    # an inlined remat body was traced with the layer's invariant inputs (the
+                    # rope tables), which arrive here varying: stashed, they vary over `pipeline`
+                    ans = vary(args[0], eqn.params["axes"])
+                else:
+                    ans = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
             env.update(zip(keys, ans if eqn.primitive.multiple_results else [ans]))
         return [a.val if isinstance(a, Literal) else env[a] for a in outs]
 
