@@ -5,8 +5,9 @@ The same parameter gets a different spec depending on what it is used for:
   - params:     `fsdp` kept only at ZeRO-3,
   - opt state:  `fsdp` kept from ZeRO-1,
   - gradients:  `fsdp` kept from ZeRO-2 (reduce-scattered, not all-reduced);
-below ZeRO-3 the gradient and optimizer shards take `fsdp` on their outermost dim that it divides
-(contiguous blocks: Plan._zero_outermost), ZeRO-3 on the dim the rules name.
+below ZeRO-3 the gradient and optimizer shards take `fsdp` on the outermost dim of each device's
+block that it divides, as the minor factor where another axis splits that dim too (contiguous
+blocks: Plan._zero_outermost), ZeRO-3 on the dim the rules name.
 The plan is data you can print (`Plan.table`). It also says in which order the `layers` dim is
 stored (`layer_rounds`, see `Plan.layer_order`): the pipeline's interleaved schedule wants each
 device's layers in the order it runs them.
@@ -90,24 +91,30 @@ class Plan:
         return P(*out)
 
     def _zero_outermost(self, axes, shape, out: list) -> list:
-        """ZeRO-1/2's gradient and optimizer shards over `fsdp` on the outermost dim that takes
-        them (not `layers`: the layer scan slices it; not a dim another mesh axis splits; one
-        fsdp divides). Below ZeRO-3 the params are whole, so any dim gives the same bytes; the
-        outermost makes the reduce-scatter, the shard's update and the all-gather contiguous
-        blocks, where the rules' dim (`embed`, the last of w_down and wo) has XLA transpose
-        each gradient around a strided collective: on XLA:CPU 3x the time of the same
-        reduce-scatter over dim 0 (docs/benchmarks.md, overhead). ZeRO-3 keeps the rules' dim:
+        """ZeRO-1/2's gradient and optimizer shards over `fsdp` on the outermost dim of each
+        device's block that fsdp divides (not `layers`: the layer scan slices it). Below ZeRO-3
+        the params are whole over fsdp, so any dim gives the same bytes; the outermost makes the
+        reduce-scatter, the shard's update and the all-gather back contiguous blocks, where the
+        rules' dim (`embed`, the last of w_down and wo) has XLA transpose each gradient around a
+        strided collective: on XLA:CPU 3x the time of the same reduce-scatter over dim 0
+        (docs/benchmarks.md, overhead). A dim another mesh axis splits (w_down's `mlp` over
+        `tensor`) takes fsdp as the minor factor, P(('tensor', 'fsdp')): each device's fsdp
+        shard is a contiguous part of its own tensor block (its `mlp / tensor` rows), which the
+        gradient sync scatters locally (parallel/data.AllReduce). ZeRO-3 keeps the rules' dim:
         there the params are sharded for the compute, and their gradients follow them."""
-        n = self.mesh.shape.get(ZERO_AXIS, 1)
-        at = [i for i, e in enumerate(out) if e == ZERO_AXIS]
+        sizes = self.mesh.shape
+        n = sizes.get(ZERO_AXIS, 1)
+        at = [i for i, e in enumerate(out) if ZERO_AXIS in entry_axes(e)]
         if n == 1 or not at:
             return out
+        entry = lambda names: None if not names else names[0] if len(names) == 1 else tuple(names)
+        out = list(out)
+        rest = tuple(a for a in entry_axes(out[at[0]]) if a != ZERO_AXIS)
         for i, (logical, size) in enumerate(zip(axes, shape)):
-            if i >= at[0]:
-                break
-            if out[i] is None and logical != "layers" and size % n == 0:
-                out = list(out)
-                out[i], out[at[0]] = ZERO_AXIS, None
+            others = rest if i == at[0] else entry_axes(out[i])
+            if i == at[0] or (logical != "layers" and (size // math.prod(sizes[a] for a in others)) % n == 0):
+                out[at[0]] = entry(rest)
+                out[i] = entry((*others, ZERO_AXIS))
                 break
         return out
 

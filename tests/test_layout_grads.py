@@ -28,6 +28,9 @@ LAYOUTS = {  # name: (reference, overrides)
     # ZeRO-3: each layer's gradient reduce-scattered by its gather's transpose and all-reduced over
     # `data` in the backward layer scan; with accumulation, over `data` after the microbatch loop
     "dp2-fsdp2-tp2-zero3": (DENSE, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=3"]),
+    # ZeRO-1 beside tensor: w_down's, wo's and the embedding's shards share their tensor dim,
+    # P(('tensor', 'fsdp')), each device's block scattered in place (parallel/data.AllReduce)
+    "dp2-fsdp2-tp2-zero1": (DENSE, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=1"]),
     # in-scan with accumulation: each microbatch's layer gradients reduce-scattered in its backward,
     # the last one's (a cond in the tap) adding the others' sum and reducing over `data`
     "dp2-fsdp2-tp2-zero2-accum2": (DENSE, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",

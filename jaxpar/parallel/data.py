@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.nn import axes_of
 from jaxpar.parallel.sync import GradientSync, flat_paths, key_path
-from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes
+from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes, select_axes
 
 GATHERED = "jaxpar_zero3_gathered"
 
@@ -62,9 +62,32 @@ def _on_wire(collective, x: jax.Array) -> jax.Array:
     return collective(x.astype(jnp.float32)).astype(x.dtype)
 
 
-def reduce_scatter(x: jax.Array, names: tuple[str, ...], dim: int) -> jax.Array:
-    """The tiled psum_scatter of a gradient in its own dtype (see _on_wire)."""
-    return _on_wire(lambda y: jax.lax.psum_scatter(y, names, scatter_dimension=dim, tiled=True), x)
+def reduce_scatter(x: jax.Array, names: tuple[str, ...], dim: int, auto: P = P()) -> jax.Array:
+    """The tiled psum_scatter of a gradient in its own dtype (see _on_wire).
+
+    `auto`: how the compiler's axes (those the enclosing shard_map leaves to it: tensor) split x,
+    when they do. Then the scatter runs on each device's own block, in a shard_map manual over
+    those axes too: XLA's partitioner replicates the operand of a reduce-scatter over a manual
+    axis along the compiler's axes first (an all-gather over `tensor` of every gradient, and a
+    scatter of twice the bytes: docs/benchmarks.md, issue 11). Each device then holds a part of
+    its own block: on a dim that `auto` splits too, the fsdp shard is the minor factor,
+    (*auto, fsdp) in the global order, which the shard_map's out_specs (manual axes first)
+    cannot say: AllReduce.global_order puts the blocks back, without moving a byte."""
+    scatter = lambda y: jax.lax.psum_scatter(y, names, scatter_dimension=dim, tiled=True)
+    if any(entry_axes(e) for e in auto):
+        whole = scatter
+        mesh = jax.sharding.get_abstract_mesh()
+        # manual over every axis left, not only `auto`'s: with `expert` manual outside, a partly
+        # manual nesting fails XLA's sharding check (jax 0.12.0.1, "Manual axes must be sorted by
+        # mesh axis index"); a fully manual one compiles
+        rest = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+        scatter = lambda y: jax.shard_map(whole, mesh=mesh, in_specs=auto, out_specs=auto, axis_names=rest)(y)
+    return _on_wire(scatter, x)
+
+
+def compiler_part(spec: P, manual, sizes: dict[str, int]) -> P:
+    """The part of `spec` the step's shard_map leaves to the compiler (non-manual axes of size > 1)."""
+    return select_axes(spec, lambda a: a not in manual and sizes[a] > 1)
 
 
 def all_reduce(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
@@ -129,14 +152,17 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype, grad_dtype
 
 def scatter_microbatch_grads(grads, grad_specs, plan: Plan, manual: frozenset[str], dtype=None):
     """ZeRO-2: reduce-scatter each microbatch's gradients over `fsdp` as soon as they exist (in
-    `dtype`, train.grad_reduce_dtype, when given)."""
+    `dtype`, train.grad_reduce_dtype, when given). Given whole specs (with the compiler's axes)
+    each device scatters its own block (reduce_scatter's `auto`); given their manual part, the
+    shard_map's global order."""
     if plan.zero_stage != 2 or ZERO_AXIS not in manual:
         return grads
+    sizes = plan.mesh.shape
 
     def scatter(g, spec):
         g = g if dtype is None else g.astype(dtype)
         for dim, names in sharded_dims(spec, {ZERO_AXIS}):
-            g = reduce_scatter(g, names, dim)
+            g = reduce_scatter(g, names, dim, compiler_part(spec, manual, sizes))
         return g
 
     return jax.tree.map(scatter, grads, grad_specs)
@@ -148,14 +174,15 @@ def reduce_final_grads(grads, grad_specs, manual: frozenset[str], sizes: dict[st
     same): reduce-scatter the dims `out_specs` shards that are still whole (ZeRO-1 hands the
     optimizer only its shard, so it needs no more bytes than DP), then all-reduce over the batch
     axes left (axes of size 1 move nothing and are skipped). `dtype`: the wire dtype (the
-    gradients are cast to it first; default: as they come)."""
+    gradients are cast to it first; default: as they come). Whole specs (with the compiler's
+    axes) or their manual part: as scatter_microbatch_grads."""
     def reduce(g, spec, out):
         g = g if dtype is None else g.astype(dtype)
         have = {a for _, names in sharded_dims(spec, manual) for a in names}
         for dim, names in sharded_dims(out, manual):
             todo = tuple(a for a in names if a not in have and sizes[a] > 1)
             if todo:
-                g = reduce_scatter(g, todo, dim)
+                g = reduce_scatter(g, todo, dim, compiler_part(out, manual, sizes))
         done = {a for _, names in sharded_dims(out, manual) for a in names}
         rest = tuple(sorted(a for a in manual if a not in done and sizes[a] > 1))
         return all_reduce(g, rest) if rest else g
@@ -182,27 +209,43 @@ class AllReduce(GradientSync):
     finish_layer all-reduces it over the axes left (data). The embeddings, final norm and head
     are reduced after the scan. A pipeline (parallel/pipeline) reduces after its timetable: its
     stages run their layers in per-tick branches, where a per-layer collective would run on some
-    devices only."""
+    devices only.
+
+    Every reduce-scatter runs on the device's own block of the compiler's axes (reduce_scatter's
+    `auto`: the sync passes its whole specs), so a leaf whose fsdp shard shares a dim with
+    `tensor` (ZeRO-1/2's w_down: P(('tensor', 'fsdp'))) leaves the shard_map with its blocks in
+    the manual-first order, which `global_order` puts back."""
 
     name = "psum"
 
     def __init__(self, plan: Plan, grad_specs, opt_specs, wire_dtype=None,
                  layered: frozenset[tuple] = frozenset()):
         super().__init__(plan, grad_specs, opt_specs if plan.zero_stage == 1 else grad_specs, wire_dtype)
-        self._grad_out, self._final_out = flat_paths(self.grad_out), flat_paths(self.final_out)
+        # whole specs, the compiler's axes too: each reduce-scatter runs on the device's block
+        self._grad, self._final = flat_paths(self.grad_specs), flat_paths(self.final_specs)
         if plan.mesh.shape.get("pipeline", 1) == 1:
             self.in_scan = self.whole_layers(layered)
 
+    def _whole(self, path, spec: P) -> P:
+        """The whole grad spec of the leaf at `path` (a key path, or one key holding it: the
+        pipeline's flat dicts), whose manual part `spec` is."""
+        path = key_path(path)
+        path = path[0] if len(path) == 1 and isinstance(path[0], tuple) else path
+        whole = self._grad[path]
+        assert self.plan.manual_part(whole, tuple(self.manual)) == spec, (path, whole, spec)
+        return whole
+
     def microbatch(self, grads, specs):
-        return scatter_microbatch_grads(grads, specs, self.plan, self.manual, self.wire_dtype)
+        whole = jax.tree_util.tree_map_with_path(self._whole, specs, is_leaf=lambda x: isinstance(x, P))
+        return scatter_microbatch_grads(grads, whole, self.plan, self.manual, self.wire_dtype)
 
     def scatter_layer(self, g, path):
-        return scatter_microbatch_grads(g, layer_spec(self._grad_out[path]), self.plan, self.manual,
+        return scatter_microbatch_grads(g, layer_spec(self._grad[path]), self.plan, self.manual,
                                         self.wire_dtype)
 
     def finish_layer(self, g, path, state):
-        return reduce_final_grads(g, layer_spec(self._grad_out[path]), self.manual, self.plan.mesh.shape,
-                                  layer_spec(self._final_out[path]), self.wire_dtype), state
+        return reduce_final_grads(g, layer_spec(self._grad[path]), self.manual, self.plan.mesh.shape,
+                                  layer_spec(self._final[path]), self.wire_dtype), state
 
     def reduce(self, grads, comm, extra):
         sizes = self.plan.mesh.shape
@@ -211,7 +254,42 @@ class AllReduce(GradientSync):
             path = key_path(path)
             if path in self.in_scan:  # reduced in the layer scan already
                 return g
-            return reduce_final_grads(g, self._grad_out[path], self.manual, sizes, self._final_out[path],
+            return reduce_final_grads(g, self._grad[path], self.manual, sizes, self._final[path],
                                       self.wire_dtype)
 
         return jax.tree_util.tree_map_with_path(one, grads), comm
+
+    def global_order(self, grads):
+        """The reduced gradients as `final_specs` lays them out. On a dim that the compiler's axes
+        (A: tensor) and fsdp split together, each device scattered its own block of A: it holds
+        block (M, A, fsdp) of the dim (M: the other manual axes there), while the shard_map's
+        out_specs read its blocks in the order (M, fsdp, A), manual axes first. Splitting the dim
+        into those factors and swapping them back is a relabelling XLA does in place (each
+        device keeps its bytes). ZeRO-3's scatters are its gathers' transposes, in the out_specs'
+        order already."""
+        if self.plan.zero_stage >= 3:
+            return grads
+        sizes = self.plan.mesh.shape
+        manual = lambda a: a in self.manual
+        entry = lambda names: None if not names else names[0] if len(names) == 1 else tuple(names)
+
+        def one(path, x):
+            label = [tuple(a for a in entry_axes(e) if sizes[a] > 1) for e in self._final[key_path(path)]]
+            label = [(*filter(manual, e), *(a for a in e if not manual(a))) for e in label]
+            for d, e in enumerate(label):
+                if ZERO_AXIS not in e or all(map(manual, e)):
+                    continue
+                held = (*(a for a in e if manual(a) and a != ZERO_AXIS), *(a for a in e if not manual(a)),
+                        ZERO_AXIS)
+                shape = x.shape
+                split = lambda order: self.plan.sharding(
+                    P(*map(entry, label[:d]), *order, None, *map(entry, label[d + 1:])))
+                x = x.reshape(*shape[:d], *(sizes[a] for a in e), -1, *shape[d + 1:])
+                x = jax.lax.with_sharding_constraint(x, split(e))
+                x = jnp.moveaxis(x, [d + e.index(a) for a in held], list(range(d, d + len(e))))
+                x = jax.lax.with_sharding_constraint(x, split(held))
+                x = x.reshape(shape)
+                label[d] = held
+            return x
+
+        return jax.tree_util.tree_map_with_path(one, grads)

@@ -106,6 +106,11 @@ class GradientSync:
     def grad_shardings(self):
         return jax.tree.map(self.plan.sharding, self.final_specs, is_leaf=is_spec)
 
+    def global_order(self, grads):
+        """The reduced gradients out of the shard_map, as the global arrays `final_specs` lay
+        out (a sync whose devices reduce blocks the out_specs cannot name puts them back here)."""
+        return grads
+
     def extra_inputs(self, state: dict) -> dict:
         """More of the train state the reduction reads (e.g. the step, the optimizer's momentum)."""
         return {}

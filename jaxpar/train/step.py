@@ -163,7 +163,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         tokens = spec.batch_layout.whole_rows(tokens)
         (loss, aux), grads, comm = sharded_grads(sync.params_in(state), as_batch(tokens),
                                                  state.get("comm", {}), sync.extra_inputs(state))
-        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        grads = jax.lax.with_sharding_constraint(sync.global_order(grads), grad_shardings)
         metrics = {"loss": loss, "grad_norm": sync.grad_norm(grads), **flat_metrics(aux)}
         update = lambda: sync.apply(tx, grads, comm, state)
         if skip_nonfinite:
