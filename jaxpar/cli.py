@@ -87,7 +87,8 @@ def _int_list(text: str) -> list[int]:
     except ValueError:
         values = []
     if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, e.g. 4096,8192")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, "
+                                         "e.g. 4096,8192")
     return values
 
 
@@ -101,7 +102,8 @@ def _name_list(text: str) -> list[str]:
 def _bench(args: argparse.Namespace) -> int:
     from jaxpar.bench import run_bench
     options = {k: v for k, v in (("seqs", args.seqs), ("impls", args.impls)) if v is not None}
-    return run_bench(args.name, args.config, args.overrides, as_json=args.json, plot=args.plot, options=options)
+    return run_bench(args.name, args.config, args.overrides, as_json=args.json, plot=args.plot,
+                     options=options)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -145,11 +147,12 @@ def _profile_summary(run_dir: str | None, sub: str, as_json: bool) -> int:
         raise ConfigError("jaxpar profile --summary: give the run's directory (RUN_DIR)")
     trace = perfetto_trace(run_dir, sub)
     if trace is None:
-        print(f"no perfetto_trace.json.gz under {run_dir}/{sub} (a profile.steps run with profile.perfetto=true "
-              f"writes one)")
+        print(f"no perfetto_trace.json.gz under {run_dir}/{sub} (a profile.steps run with "
+              f"profile.perfetto=true writes one)")
         return 1
     try:
-        window = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}).get("profile", {}).get("steps")
+        saved = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+        window = saved.get("profile", {}).get("steps")
     except (OSError, ValueError, AttributeError):
         window = None
     steps = window[1] - window[0] + 1 if window else None

@@ -283,10 +283,12 @@ def test_tiny_llama_blockwise_loss_and_grads_equal_xla(devices):
     ref = run_steps(tiny_config(*layout, "model.attention=xla"), 2, devices)
     got = run_steps(tiny_config(*layout, "model.attention=blockwise", "model.attention_block=12",
                                 "train.remat=full"), 2, devices)
-    for r, g in zip(ref, got):
+    for step, (r, g) in enumerate(zip(ref, got)):
         np.testing.assert_allclose(g["loss"], r["loss"], rtol=1e-5)
         for x, y in zip(jax.tree.leaves(g["grads"]), jax.tree.leaves(r["grads"])):
-            assert_close(x, y)
+            # step 2 follows an AdamW update, which turns rounding into parameter differences of
+            # ~lr: 2.5e-5 there on jax 0.10.2's XLA
+            assert_close(x, y, rtol=1e-5 if step == 0 else 5e-5)
 
 
 # --------------------------------------------------------------------------- memory

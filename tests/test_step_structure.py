@@ -55,5 +55,9 @@ def test_bf16_step_leaves_no_dot_to_the_naive_emitter(layout):
 
 def test_default_cpu_dots_would_leave_the_weight_gradients_naive():
     """The check above can fail: with XLA's default CPU dots the weight gradients go naive."""
+    from jaxpar.xla import _jaxlib_version
+    if _jaxlib_version() < (0, 11):
+        pytest.skip("jaxlib < 0.11: XLA:CPU's default dots emit no naive bf16 loop to catch "
+                    "(measured on 0.10.2: 0), so the check above cannot fail there")
     res = _structure([*MODEL, *LAYOUTS["data8"], "xla.cpu_dots=default"])
     assert res["jaxpar"]["naive_bf16_dots"] >= 2, res

@@ -63,7 +63,8 @@ def check_options(seqs: Sequence[int], impls: Sequence[str]) -> None:
     """One clear error for lengths or implementations the bench cannot take."""
     bad = [i for i in impls if i not in VALID_IMPLS]
     if bad or not impls:
-        raise ConfigError(f"bench attention: implementations {list(impls)}: valid are {', '.join(VALID_IMPLS)}")
+        raise ConfigError(f"bench attention: implementations {list(impls)}: valid are "
+                          f"{', '.join(VALID_IMPLS)}")
     if not seqs or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in seqs):
         raise ConfigError(f"bench attention: sequence lengths {list(seqs)}: expected positive integers")
 
@@ -202,13 +203,15 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, seqs: Sequence
             for impl in run_impls:
                 rows.append(_row(lambda: measure_layer(cfg, seq, impl, log), "layer", impl, seq, log))
             for impl in [i for i in ("blockwise", "cudnn") if i in run_impls]:
-                rows.append(_row(lambda: measure_layer(cfg, seq, impl, log, doc=doc), "packed", impl, seq, log))
+                rows.append(_row(lambda: measure_layer(cfg, seq, impl, log, doc=doc), "packed", impl, seq,
+                                 log))
         # one sequence per device: the batch is the batch-parallel size of the layout
-        per_batch = Trainer(with_overrides(cfg, ["train.seq_len=8"]), log=lambda s: None).plan.batch_size_divisor
+        small = with_overrides(cfg, ["train.seq_len=8"])
+        per_batch = Trainer(small, log=lambda s: None).plan.batch_size_divisor
         for seq in seqs:
             for impl in run_impls:
-                rows.append(_row(lambda: measure_step(cfg, seq, impl, per_batch, log, timing), "step", impl, seq,
-                                 log))
+                step = lambda: measure_step(cfg, seq, impl, per_batch, log, timing)
+                rows.append(_row(step, "step", impl, seq, log))
     except KeyboardInterrupt:  # a time limit (SIGINT): the table of the rows measured so far
         interrupted = True
         log(f"attention: interrupted after {len(rows)} rows")
@@ -254,7 +257,8 @@ def format_result(res: dict) -> str:
     lines += [f"skipped {impl}: {why}" for impl, why in res.get("skipped", {}).items()]
     if res.get("interrupted"):
         lines.append("interrupted (SIGINT, a time limit): the rows after these were not measured")
-    lines += [f"failed: {r['kind']} {r['impl']} seq {r['seq']}: {r['error']}" for r in res["rows"] if r.get("error")]
+    lines += [f"failed: {r['kind']} {r['impl']} seq {r['seq']}: {r['error']}"
+              for r in res["rows"] if r.get("error")]
     return "\n".join(lines)
 
 

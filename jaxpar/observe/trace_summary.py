@@ -162,9 +162,10 @@ def format_summary(s: dict, records: list[dict] | None = None) -> str:
         lines.append("device: no device lines in the trace (a CPU run: XLA:CPU runs the program on host "
                      "threads; or the GPU tracer, CUPTI, recorded nothing), so no busy / idle split")
     else:
+        idle_pct = 100 * (1 - (s['device_busy_fraction'] or 0))
         lines += [
-            f"device ({', '.join(s['devices'])}; busy = union of {s['basis']}): busy {f(s['device_busy_ms'])}, "
-            f"idle {f(s['device_idle_ms'])} ({100 * (1 - (s['device_busy_fraction'] or 0)):.1f}% of the window)",
+            f"device ({', '.join(s['devices'])}; busy = union of {s['basis']}): "
+            f"busy {f(s['device_busy_ms'])}, idle {f(s['device_idle_ms'])} ({idle_pct:.1f}% of the window)",
         ]
         if steps:
             lines.append(f"per step: device busy {f(s['device_busy_per_step_ms'])}, device idle (the loop's "
@@ -174,12 +175,13 @@ def format_summary(s: dict, records: list[dict] | None = None) -> str:
             lines.append(f"XLA modules: {m['count']} executions, {f(m['ms'])}; device idle between them "
                          f"{f(m['gaps_ms'])} in all, longest gap {f(m['max_gap_ms'])}")
         if s["collective_ms"]:
+            hidden = 100 * s['collective_hidden_ms'] / s['collective_ms']
             lines.append(f"collectives: {f(s['collective_ms'])}, of which {f(s['collective_hidden_ms'])} ran "
-                         f"under compute ({100 * s['collective_hidden_ms'] / s['collective_ms']:.0f}% overlapped)")
+                         f"under compute ({hidden:.0f}% overlapped)")
         else:
             lines.append("collectives: none in the trace (one device, or none issued in the window)")
-        lines.append("device lines: " + "; ".join(f"{ln['name']} {ln['events']} events, busy {f(ln['busy_ms'])}"
-                                                  for ln in s["lines"]))
+        lines.append("device lines: " + "; ".join(
+            f"{ln['name']} {ln['events']} events, busy {f(ln['busy_ms'])}" for ln in s["lines"]))
         lines.append("top device ops by time:")
         lines += [f"  {o['ms']:9.2f} ms  {o['count']:6d}x  {o['name'][:100]}" for o in s["top_ops"]]
     if s.get("dispatch"):
@@ -187,8 +189,8 @@ def format_summary(s: dict, records: list[dict] | None = None) -> str:
         lines += [f"  {d['count']:4d}x  mean {d['mean_ms']:.3f} ms  {d['name'][:100]}" for d in s["dispatch"]]
     for r in records or []:
         mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ", MFU unknown (no peak)"
-        lines.append(f"logged step {r['step']}: {r['tokens_per_s']:.0f} tokens/s, step {1e3 * r['step_time_s']:.1f} "
-                     f"ms{mfu}")
+        lines.append(f"logged step {r['step']}: {r['tokens_per_s']:.0f} tokens/s, "
+                     f"step {1e3 * r['step_time_s']:.1f} ms{mfu}")
     return "\n".join(lines)
 
 

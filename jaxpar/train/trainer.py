@@ -526,7 +526,8 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     _, history = trainer.fit(state, start, out_dir=out)
     if history:
         first, last = history[0], history[-1]
-        mfu = f", MFU {100 * last['mfu']:.1f}%" if last.get("mfu") is not None else ""  # None: peak unknown (CPU)
+        # None: the peak is unknown (CPU)
+        mfu = f", MFU {100 * last['mfu']:.1f}%" if last.get("mfu") is not None else ""
         log(f"done: {len(history)} logged steps, loss {first['loss']:.4f} -> {last['loss']:.4f}, "
             f"{last['tokens_per_s']:.0f} tokens/s{mfu}; metrics in {out / 'metrics.jsonl'}")
     return history
