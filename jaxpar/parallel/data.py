@@ -74,15 +74,22 @@ def reduce_scatter(x: jax.Array, names: tuple[str, ...], dim: int, auto: P = P()
     (*auto, fsdp) in the global order, which the shard_map's out_specs (manual axes first)
     cannot say: AllReduce.global_order puts the blocks back, without moving a byte."""
     scatter = lambda y: jax.lax.psum_scatter(y, names, scatter_dimension=dim, tiled=True)
-    if any(entry_axes(e) for e in auto):
-        whole = scatter
-        mesh = jax.sharding.get_abstract_mesh()
-        # manual over every axis left, not only `auto`'s: with `expert` manual outside, a partly
-        # manual nesting fails XLA's sharding check (jax 0.12.0.1, "Manual axes must be sorted by
-        # mesh axis index"); a fully manual one compiles
-        rest = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
-        scatter = lambda y: jax.shard_map(whole, mesh=mesh, in_specs=auto, out_specs=auto, axis_names=rest)(y)
-    return _on_wire(scatter, x)
+    return _on_wire(on_own_block(scatter, auto), x)
+
+
+def on_own_block(f, auto: P):
+    """f run on each device's own block of the compiler's axes (`auto`: how they split its
+    operand and result), in a shard_map manual over them; f itself when they split nothing.
+    XLA's partitioner replicates the operand of a collective over a manual axis along the
+    compiler's axes first (reduce_scatter, gather_in)."""
+    if not any(entry_axes(e) for e in auto):
+        return f
+    mesh = jax.sharding.get_abstract_mesh()
+    # manual over every axis left, not only `auto`'s: with `expert` manual outside, a partly
+    # manual nesting fails XLA's sharding check (jax 0.12.0.1, "Manual axes must be sorted by
+    # mesh axis index"); a fully manual one compiles
+    rest = frozenset(mesh.axis_names) - frozenset(mesh.manual_axes)
+    return lambda y: jax.shard_map(f, mesh=mesh, in_specs=auto, out_specs=auto, axis_names=rest)(y)
 
 
 def compiler_part(spec: P, manual, sizes: dict[str, int]) -> P:
@@ -95,13 +102,24 @@ def all_reduce(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return _on_wire(lambda y: jax.lax.psum(y, names), x)
 
 
-def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype, grad_dtype=None) -> jax.Array:
+def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype, grad_dtype=None,
+              auto: P = P()) -> jax.Array:
     """All-gather a shard in the compute dtype (bf16 on the wire); the backward reduce-scatters
     the gradient in `grad_dtype` (train.grad_reduce_dtype; default the shard's own dtype) and
-    hands it back in the shard's dtype. `jaxpar.nn`'s remat policy never saves its output."""
+    hands it back in the shard's dtype. `jaxpar.nn`'s remat policy never saves its output.
+
+    `auto`: how the compiler's axes (tensor) split the param, when they do. Then each device
+    gathers, and in the backward scatters, its own block of them (on_own_block): XLA's
+    partitioner all-gathered the shard over `tensor` before a gather over the manual fsdp, and
+    the gradient before its reduce-scatter (ZeRO-3 at data=2 x fsdp=2 x tensor=2: 4x the
+    planner's all-gather bytes, 2x its reduce-scatter; docs/benchmarks.md, issue 11). Not on a
+    dim that `auto` and the gather share: the shard_map's local block order differs there."""
+    shared = {d for d, _ in dims} & {d for d, e in enumerate(auto) if entry_axes(e)}
+    auto = P() if shared else auto
+
     @jax.custom_vjp
     def gather(y):
-        return _gather(y.astype(dtype), dims)
+        return on_own_block(lambda z: _gather(z, dims), auto)(y.astype(dtype))
 
     def fwd(y):
         return gather(y), None
@@ -109,7 +127,7 @@ def gather_in(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], dtype, grad
     def bwd(_, g):
         g = g.astype(grad_dtype or x.dtype)
         for dim, names in reversed(dims):
-            g = reduce_scatter(g, names, dim)
+            g = reduce_scatter(g, names, dim, auto)
         return (g.astype(x.dtype),)
 
     gather.defvjp(fwd, bwd)
@@ -129,18 +147,21 @@ def param_preparer(plan: Plan, manual: frozenset[str], compute_dtype, grad_dtype
     `grad_dtype`: the dtype of ZeRO-3's gradient reduce-scatter (see gather_in).
     """
     gather_axes = {ZERO_AXIS} & manual if plan.zero_stage >= 3 else set()
+    sizes = plan.mesh.shape
 
     def prepare_leaf(var: nnx.Variable, stacked: bool, cast_only: bool):
         x = var[...]
         dtype = compute_dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
         axes = axes_of(var)
-        dims = []
+        dims, spec = [], P()
         if gather_axes and axes is not None:
             axes = tuple(axes[1:]) if stacked else tuple(axes)
-            dims = sharded_dims(plan.spec(axes, None, "param"), gather_axes)
+            spec = plan.spec(axes, None, "param")
+            dims = sharded_dims(spec, gather_axes)
         if dims:  # the gather casts its shard itself (bf16 on the wire; grads back in grad_dtype)
+            auto = compiler_part(spec, manual, sizes)  # each device gathers its own tensor block
             return (var if cast_only
-                    else var.replace(checkpoint_name(gather_in(x, dims, dtype, grad_dtype), GATHERED)))
+                    else var.replace(checkpoint_name(gather_in(x, dims, dtype, grad_dtype, auto), GATHERED)))
         return var.replace(x.astype(dtype)) if x.dtype != dtype else var
 
     def prepare(state, stacked: bool, cast_only: bool = False):
