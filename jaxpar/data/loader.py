@@ -39,33 +39,23 @@ class StreamSource:
     vocab_size: int | None = None
 
     def rows(self, step: int, row_indices: np.ndarray, seq_len: int) -> np.ndarray:
-        length = seq_len + 1
-        n = int(self.tokens.shape[0])
+        return self.columns(step, row_indices, seq_len, np.arange(seq_len + 1))
+
+    def columns(self, step: int, row_indices: np.ndarray, seq_len: int, cols: np.ndarray) -> np.ndarray:
+        """rows(...)[:, cols], reading only those tokens of each window (a context device's share)."""
+        n, length = int(self.tokens.shape[0]), seq_len + 1
         if n < length:
             raise ConfigError(
                 f"{self.name} has {n} tokens, fewer than train.seq_len+1={length}; "
                 "give a longer corpus or lower train.seq_len"
             )
         offsets = row_keys(self.seed, step, row_indices) % np.uint64(n - length + 1)
-        out = np.empty((len(offsets), length), dtype=self.tokens.dtype)
-        for i, o in enumerate(offsets.tolist()):  # contiguous slices: cheap on a memmap
-            out[i] = self.tokens[o : o + length]
-        if self.vocab_size is not None:  # before the int32 cast, which could wrap huge ids
-            binfile.check_ids(out, self.vocab_size, self.name)
-        return out.astype(np.int32)
-
-    def columns(self, step: int, row_indices: np.ndarray, seq_len: int, cols: np.ndarray) -> np.ndarray:
-        """rows(...)[:, cols], reading only those tokens of each window (a context device's share)."""
-        n, length = int(self.tokens.shape[0]), seq_len + 1
-        if n < length:
-            return self.rows(step, row_indices, seq_len)  # its error
-        offsets = row_keys(self.seed, step, row_indices) % np.uint64(n - length + 1)
         cuts = np.flatnonzero(np.diff(cols) != 1) + 1  # the contiguous runs of `cols`
         runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(cols, cuts)]
         out = np.empty((len(offsets), len(cols)), dtype=self.tokens.dtype)
         for i, o in enumerate(offsets.tolist()):  # contiguous reads: cheap on a memmap
             out[i] = np.concatenate([self.tokens[o + a : o + b] for a, b in runs])
-        if self.vocab_size is not None:
+        if self.vocab_size is not None:  # before the int32 cast, which could wrap huge ids
             binfile.check_ids(out, self.vocab_size, self.name)
         return out.astype(np.int32)
 
@@ -162,7 +152,8 @@ def global_batch(
     Each process computes only the rows of its addressable shards, and of those only the
     columns its shards hold when the source reads windows (`TokenSource.columns`); shards that
     repeat the same rows and columns (replicated over other axes) are computed once."""
-    shape = (global_batch, seq_len + 1 if columns is None else len(columns))
+    columns = np.arange(seq_len + 1) if columns is None else columns
+    shape = (global_batch, len(columns))
     all_rows = np.arange(global_batch)
     done: dict[tuple, np.ndarray] = {}
 
@@ -171,13 +162,11 @@ def global_batch(
         cols = index[1] if len(index) > 1 else slice(None)
         key = (rows_slice.indices(global_batch), cols.indices(shape[1]))
         if key not in done:
-            rows = all_rows[rows_slice]
-            if columns is None:
-                done[key] = source.rows(step, rows, seq_len)[:, cols]
-            elif hasattr(source, "columns"):
-                done[key] = source.columns(step, rows, seq_len, columns[cols])
+            rows, want = all_rows[rows_slice], columns[cols]
+            if hasattr(source, "columns"):
+                done[key] = source.columns(step, rows, seq_len, want)
             else:  # sources that build a row as a whole (synthetic, packed): then cut
-                done[key] = source.rows(step, rows, seq_len)[:, columns[cols]]
+                done[key] = source.rows(step, rows, seq_len)[:, want]
         return done[key]
 
     return jax.make_array_from_callback(shape, sharding, shard)

@@ -145,12 +145,10 @@ def loader_split(plan: Plan, cfg: Any) -> tuple[ContextParallel, jax.sharding.Na
     """How the loader lays out and shards the batch: (the split of mesh.context, or the identity;
     the batch's sharding: rows over the batch axes and, under context parallelism, each row's
     columns over `context`)."""
-    size = plan.mesh.shape.get(AXIS, 1)
-    if size == 1:
-        return ContextParallel(), plan.sharding(plan.batch_spec())
-    cfg = cfg or ContextConfig()
-    return (ContextParallel(size, cfg.strategy, cfg.layout),
-            plan.sharding(P(plan.batch_axes or None, AXIS)))
+    cp = make_context(plan, cfg, frozenset({AXIS}))
+    if cp.size == 1:
+        return cp, plan.sharding(plan.batch_spec())
+    return cp, plan.sharding(P(plan.batch_axes or None, AXIS))
 
 
 def make_context(plan: Plan, cfg: Any, manual: frozenset[str]) -> ContextParallel:
