@@ -90,7 +90,9 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
     `tensor` before them doubled their bytes), and so are ZeRO-3's gathers and their gradients'
     reduce-scatters (each device gathers its own tensor block, parallel/data.gather_in; the
     partitioner's gathers over `tensor` around them made 4x the all-gather bytes, 2x the
-    reduce-scatter's)."""
+    reduce-scatter's). With sequence parallelism the activations' all-gathers and reduce-scatters
+    (XLA:CPU's: all-reduces of the whole activation, then a slice) within 35% too; the
+    all-to-alls XLA adds around RoPE are not modelled."""
     cfg, _, _, _, comm, hlo = compiled[overrides]
     pred = comm["kinds"]
     tensor = cfg.mesh.tensor > 1
@@ -104,7 +106,9 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
         if tensor and (zero_scatter or zero3) and not cfg.sharding.sequence_parallel:
             assert got == pytest.approx(want, rel=0.05), (kind, got, want)
             continue
-        if tensor and (kind != "all-reduce" or cfg.sharding.sequence_parallel):
+        if tensor and cfg.sharding.sequence_parallel and kind == "all-to-all":
+            continue  # XLA's own: q and k moved from the sequence split to the head split at RoPE
+        if tensor and kind not in ("all-reduce", "all-gather" if cfg.sharding.sequence_parallel else ""):
             continue
         if kind == "collective-permute" and cfg.mesh.pipeline > 1:
             # the runner's sends sit in per-tick conditionals: the HLO's loop count sees each on
@@ -161,23 +165,47 @@ def test_memory_budget_rejects_and_says_so(quickstart_plan):
     assert len(over) == 1 and len(result.rejected[over[0]]) >= len(totals) // 3
 
 
-@pytest.mark.parametrize("run", [WEAK_SCALING[0], WEAK_SCALING[3]], ids=lambda r: r.name)
-def test_megatron_weak_scaling_rows_without_pipeline(run):
+@pytest.mark.parametrize("run", WEAK_SCALING, ids=lambda r: r.name)
+def test_megatron_weak_scaling_paper_layouts_within_20_percent(run):
     """Narayanan et al. 2021, Table 1 (docs/planner.md has every row): for the paper's own layout
-    the cost model's FLOP/s per GPU is within 20% of the published figure; the planner's own
-    best plan keeps tensor parallelism inside a node and fits 80 GB."""
-    r = check_run(run)
+    (its tensor and pipeline sizes, full recomputation; a pipeline run as Megatron runs it: 1F1B
+    or its interleaved schedule, op by op as inputs arrive) the cost model's FLOP/s per GPU is
+    within 20% of the published figure, on every row."""
+    r = check_run(run, free=False)
     assert abs(r["residual"]) <= 0.20, r
+
+
+@pytest.mark.parametrize("run", [WEAK_SCALING[0], WEAK_SCALING[3]], ids=lambda r: r.name)
+def test_megatron_weak_scaling_best_plans_fit_with_tensor_in_a_node(run):
+    """The planner's own best plan keeps tensor parallelism inside a node and fits 80 GB."""
+    r = check_run(run)
     assert r["tensor_in_node"] and r["fits"], r
 
 
 def test_megatron_weak_scaling_large_row():
     """76.1B on 1024 A100s: the planner's best plan (tensor in a node, fits) is predicted within
-    20% of the published throughput. (The paper's own pipelined layout is predicted ~30% below
-    it: jaxpar's lockstep pipeline runner, docs/planner.md.)"""
+    20% of the published throughput."""
     r = check_run(WEAK_SCALING[5])
     assert r["tensor_in_node"] and r["fits"], r
     assert abs(r["best_tflops"] / r["published_tflops"] - 1) <= 0.20, r
+
+
+def test_dataflow_clock_is_megatrons_bubble():
+    """The "dataflow" clock (Megatron-LM's runtime: each device's ops back to back as their
+    inputs arrive, every stage running its own forward) gives 1F1B's (m + p - 1) x 3 forward
+    units and the interleaved schedule's 3m + 3(p - 1)/v; jaxpar's lockstep runner takes more
+    (the last stage's forward folded into its backward, a tick as long as its slowest device).
+    On a GPU the tensor-parallel backward has XLA:GPU's reassociated 2 all-reduces a layer."""
+    from jaxpar.planner.comm import tp_backward_all_reduces
+    from jaxpar.planner.layout import timetable
+    from jaxpar.planner.timing import dataflow_time
+    for p, m in ((2, 4), (4, 8), (8, 32)):
+        assert dataflow_time("1f1b", p, m) == pytest.approx(3 * (m + p - 1))
+        assert dataflow_time("interleaved_1f1b", p, m, 2) == pytest.approx(3 * m + 3 * (p - 1) / 2)
+        assert dataflow_time("1f1b", p, m, 1, True) == pytest.approx(4 * (m + p - 1))
+        assert dataflow_time("zb_h1", p, m, 1, False, 1.0) == pytest.approx(3 * m + p - 1)
+        assert timetable("1f1b", p, m, 1, False).lockstep_time() > dataflow_time("1f1b", p, m)
+    assert (tp_backward_all_reduces("gpu"), tp_backward_all_reduces("cpu")) == (2, 5)
 
 
 def test_long_sequences_search_context_parallelism():

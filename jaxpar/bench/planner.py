@@ -98,7 +98,7 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, steps: int = 1
         c = with_overrides(cfg, [*RESET, *overrides.split()])
         layout = Layout.of_config(c, jax.device_count())
         s = Stepper(c)
-        comm = step_collectives(c, layout, s.tr.model, abstract_plan(c, layout))
+        comm = step_collectives(c, layout, s.tr.model, abstract_plan(c, layout), platform=cluster.platform)
         pred = step_time(c, layout, s.tr.model, cluster, comm).step_s
         rows.append({"layout": layout.label(), "predicted_s": pred,
                      "memory_bytes": estimate(c, layout, s.tr.model)["total"]})

@@ -9,11 +9,16 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
                   data-parallel all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3's
                   per-microbatch gathers forward and backward)
   tensor          Megatron activations [tokens, D] per layer and microbatch: 2 all-reduces in the
-                  forward and, as XLA partitions the backward, TP_BACKWARD_ALL_REDUCES there
-                  (sequence parallel: an all-gather + reduce-scatter pair each instead), + 2 at
-                  the embedding/head; remat "full" repeats the forward's
+                  forward and, as XLA partitions the backward, tp_backward_all_reduces there
+                  (sequence parallel: an all-gather + reduce-scatter pair each instead; XLA:CPU
+                  has no ReduceScatterCreator pass, its reduce-scatter is an all-reduce of the
+                  whole activation and a slice), + 2 at the embedding/head; remat "full"
+                  repeats the forward's
   pipeline        collective-permutes of stage activations (forward) and their gradients
-                  (backward) on each tick of the timetable on which some device receives
+                  (backward) on each tick of the timetable on which some device receives; with
+                  the "dataflow" clock (Megatron-LM's runtime, timing.CLOCKS) one send per op
+                  that crosses a stage boundary, of 1/tensor of the activation, all-gathered over
+                  tensor after the receive (the paper's scatter/gather optimization)
   expert          4 all-to-alls per MoE layer and microbatch (dispatch and combine, forward and
                   backward) of top_k x capacity_factor x tokens x D
   context         ring: per layer and microbatch the collective-permutes of the K and V chunks
@@ -32,6 +37,16 @@ from jaxpar.metrics import COLLECTIVE_KINDS
 from jaxpar.sharding import ZERO_AXIS as ZERO, Plan, entry_axes
 
 TP_BACKWARD_ALL_REDUCES = 5  # per layer, measured on XLA:CPU's partitioning of the backward
+
+
+def tp_backward_all_reduces(platform: str) -> int:
+    """Activation all-reduces per layer in the backward over `tensor`. XLA partitions each
+    column-parallel matmul's input gradient as its own partial sum: q, k, v (3, summed at the
+    norm) and the SwiGLU's gate and up (2): 5, what the XLA:CPU HLO has (one tuple all-reduce of
+    3 and one of 2, their results added right after). XLA:GPU's collective pipeline runs
+    AllReduceReassociate, add(all-reduce(a), all-reduce(b)) -> all-reduce(a + b): one per block,
+    2, Megatron-LM's count (its fused QKV and single MLP input matmul). Other platforms: 5."""
+    return 2 if platform == "gpu" else TP_BACKWARD_ALL_REDUCES
 
 
 def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
@@ -116,11 +131,13 @@ def add_op(out: dict, kind: str, result: float, n: int, times: float = 1, link: 
                                  else n - 1)
 
 
-def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) -> dict[str, dict]:
+def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, platform: str = "cpu",
+                     clock: str = "lockstep") -> dict[str, dict]:
     """Per kind: result / wire bytes, ops and ring steps per device per step, with the wire bytes
     split by link ("intra" / "inter" host, by the layout's dcn factors), grouped by purpose
     under key "purpose" -> {grad_sync, zero3_gather, tensor, pipeline, expert: wire bytes}.
-    `cache` keeps the gradient sync's bytes per mesh, ZeRO stage and microbatch count."""
+    `cache` keeps the gradient sync's bytes per mesh, ZeRO stage and microbatch count;
+    `platform` the cluster's (XLA's passes differ); `clock` how the pipeline runs."""
     from jaxpar.planner.memory import itemsize
     t, m = cfg.train, cfg.model
     out: dict = {}
@@ -171,11 +188,14 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
     if tp > 1:
         before = sum(r["wire_bytes"] for r in out.values())
         fwd = 2 * (2 if layout.remat == "full" else 1)
-        per_layer = fwd + TP_BACKWARD_ALL_REDUCES
+        per_layer = fwd + tp_backward_all_reduces(platform)
         lk = link(("tensor",))
         if cfg.sharding.sequence_parallel:
             add_op(out, "all-gather", act, tp, micro * (layers * per_layer + 2), lk)
-            add_op(out, "reduce-scatter", act / tp, tp, micro * (layers * per_layer + 2), lk)
+            if platform == "gpu":
+                add_op(out, "reduce-scatter", act / tp, tp, micro * (layers * per_layer + 2), lk)
+            else:  # no ReduceScatterCreator: all-reduce, then each device slices its part
+                add_op(out, "all-reduce", act, tp, micro * (layers * per_layer + 2), lk)
         else:
             add_op(out, "all-reduce", act, tp, micro * (layers * per_layer + 2), lk)
         purpose["tensor"] = sum(r["wire_bytes"] for r in out.values()) - before
@@ -184,10 +204,17 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None) 
         before = sum(r["wire_bytes"] for r in out.values())
         from jaxpar.planner.layout import timetable
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-        tt = timetable(layout.schedule, p, micro, v, layout.recompute)
-        # the runner permutes on the ticks on which some device receives (no sends when idle)
-        sends = int((tt.recv_x >= 0).any(axis=1).sum() + (tt.recv_g >= 0).any(axis=1).sum())
-        add_op(out, "collective-permute", act, p, sends, link(("pipeline",)))
+        if clock == "dataflow":
+            # every op but the last stage's forwards and the first stage's backwards sends once,
+            # 1/tensor of the activation each, gathered over tensor on arrival
+            sends = 2 * micro * v * (p * v - 1) / (p * v)
+            add_op(out, "collective-permute", act / tp, p, sends, link(("pipeline",)))
+            add_op(out, "all-gather", act, tp, sends, link(("tensor",)))
+        else:
+            tt = timetable(layout.schedule, p, micro, v, layout.recompute)
+            # the runner permutes on the ticks on which some device receives (no sends when idle)
+            sends = int((tt.recv_x >= 0).any(axis=1).sum() + (tt.recv_g >= 0).any(axis=1).sum())
+            add_op(out, "collective-permute", act, p, sends, link(("pipeline",)))
         purpose["pipeline"] = sum(r["wire_bytes"] for r in out.values()) - before
     e = layout.size("expert")
     if e > 1 and m.moe.num_experts:

@@ -56,7 +56,7 @@ def terms(cluster: Cluster, run_dir: Path, devices: int | None) -> tuple[dict[st
     cfg = load_config(cfg_path)
     model = ModelDef.from_factory(llama_model_factory(cfg))
     layout = Layout.of_config(cfg, devices or cluster.devices)
-    comm = step_collectives(cfg, layout, model, abstract_plan(cfg, layout))
+    comm = step_collectives(cfg, layout, model, abstract_plan(cfg, layout), platform=cluster.platform)
     t = step_time(cfg, layout, model, cluster, comm)
     return {k: t.parts.get(k, 0.0) for k in PARTS}, layout.label()
 

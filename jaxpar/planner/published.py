@@ -61,12 +61,13 @@ WEAK_SCALING = [
 ]
 
 
-def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8") -> dict:
+def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8", free: bool = True) -> dict:
     """For one row: the cost model's FLOP/s per GPU for the paper's own layout (its tensor and
     pipeline sizes, data parallel over the rest, full recomputation, no optimizer sharding; the
-    planner picks the microbatching and schedule) against the published figure; and the
+    planner picks the microbatching, and for a pipeline Megatron's schedule, 1F1B or the
+    interleaved one with v = 2, timed as Megatron runs it) against the published figure; and the
     planner's free choice: its best plan, whether it keeps tensor parallelism inside a node and
-    fits, and its predicted FLOP/s in the paper's units."""
+    fits, and its predicted FLOP/s in the paper's units (`free` False: the paper's layout only)."""
     from jaxpar.planner.cluster import load_cluster
     from jaxpar.planner.search import search
     from jaxpar.train.builtin import llama_model_factory
@@ -75,17 +76,27 @@ def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8") -> dict:
     cluster = load_cluster(cluster_name).with_devices(run.gpus)
     model = ModelDef.from_factory(llama_model_factory(cfg))
     tflops = lambda scored: run.megatron_flops() / scored.time.step_s / run.gpus / 1e12
-    paper = search(cfg, cluster, model, fixed={"tensor": run.tensor, "pipeline": run.pipeline, "fsdp": 1},
-                   options_fixed={"remat": "full", "zero_stage": 0, "recompute": False})
-    free = search(cfg, cluster, model)
+    fixed = {"tensor": run.tensor, "pipeline": run.pipeline, "fsdp": 1}
+    paper_opts = {"remat": "full", "zero_stage": 0, "recompute": False}
+    if run.pipeline > 1:
+        # the paper's pipelines as Megatron-LM runs them: 1F1B, or its interleaved schedule (not
+        # for 2 stages), each device's ops back to back as their inputs arrive (timing.CLOCKS)
+        scheds = ("1f1b",) if run.pipeline == 2 else ("1f1b", "interleaved_1f1b")
+        results = [search(cfg, cluster, model, fixed=fixed, options_fixed={**paper_opts, "schedule": s},
+                          clock="dataflow") for s in scheds]
+        paper = results[0]
+        for r in results[1:]:
+            paper.ranked = sorted(paper.ranked + r.ranked, key=lambda x: x.time.step_s)
+    else:
+        paper = search(cfg, cluster, model, fixed=fixed, options_fixed=paper_opts)
     out = {"run": run.name, "gpus": run.gpus, "published_tflops": run.tflops_per_gpu,
            "paper_layout": f"tensor={run.tensor} pipeline={run.pipeline}"}
     if paper.ranked:
         p = paper.ranked[0]
         out.update(paper_plan=p.layout.label(), predicted_tflops=tflops(p),
                    residual=tflops(p) / run.tflops_per_gpu - 1, paper_memory_gib=p.memory["total"] / 2**30)
-    if free.ranked:
-        best = free.ranked[0]
+    if free and (res := search(cfg, cluster, model)).ranked:
+        best = res.ranked[0]
         lay = best.layout
         out.update(plan=lay.label(), tensor=lay.size("tensor"),
                    tensor_in_node=lay.size("tensor") <= cluster.devices_per_host and "tensor" not in lay.dcn,

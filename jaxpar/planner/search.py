@@ -142,9 +142,10 @@ def options(cfg: Config, mesh: dict[str, int]):
 
 
 def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None = None,
-           options_fixed: dict | None = None) -> Result:
+           options_fixed: dict | None = None, clock: str = "lockstep") -> Result:
     """Every valid layout of `cfg`'s model on `cluster`, best first. `fixed`: mesh sizes to keep
-    (--layout); `options_fixed`: step options to keep (zero_stage, remat, grad_accum, ...)."""
+    (--layout); `options_fixed`: step options to keep (zero_stage, remat, grad_accum, ...);
+    `clock`: how a pipeline is timed (timing.CLOCKS: jaxpar's runner, or Megatron-LM's)."""
     axes = ("data", "fsdp", "tensor", "pipeline") + (("expert",) if cfg.model.moe.num_experts else ())
     if cfg.train.seq_len >= CONTEXT_MIN_SEQ or (fixed or {}).get("context", 1) > 1:
         axes += ("context",)
@@ -185,9 +186,10 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
                     f"memory: needs more than {HEADROOM:.0%} of {cluster.memory_gib:g} GiB per device",
                     []).append(layout)
                 continue
-            comm = step_collectives(cfg, layout, model, abstract_plan(cfg, layout), sync_cache)
+            comm = step_collectives(cfg, layout, model, abstract_plan(cfg, layout), sync_cache,
+                                    cluster.platform, clock)
             result.ranked.append(Scored(layout, mem, comm, step_time(cfg, layout, model, cluster, comm,
-                                                                   state_cache[key])))
+                                                                   state_cache[key], clock)))
     result.ranked.sort(key=lambda s: (s.time.step_s, s.memory["total"]))
     return result
 

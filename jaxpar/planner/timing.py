@@ -20,7 +20,9 @@ fixed costs + pipeline bubble; on compute units shared by several devices, all d
   bubble    a pipeline's timetable (jaxpar/parallel/pipeline/schedule.py) in lockstep: its ticks
             over the stage work 3m (idle ticks, the last stage's forward folded into its
             backward, pipeline.recompute's second forward; zb_h1's Bx and W ticks at their own
-            costs, weight_share), as a stretch of the critical path
+            costs, weight_share), as a stretch of the critical path; with clock "dataflow"
+            (Megatron-LM's runtime, not jaxpar's) the same orders run op by op as inputs arrive:
+            1F1B's (p-1)/m bubble, the interleaved schedule's (p-1)/(v m)
   shared    with devices_per_unit > 1 (8 forced CPU devices on 2 cores) the step lasts at least
             the work of every device (compute, memory, fixed; pipeline.recompute's forward
             again) over the units, plus the collectives: replicated work counts once per
@@ -29,14 +31,19 @@ MFU = model FLOPs (no recompute) per step / (step time x devices x peak).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from jaxpar.metrics import llama_flops_per_token
-from jaxpar.parallel.pipeline.schedule import SPLIT
+from jaxpar.parallel.pipeline.schedule import SPLIT, Op, device_orders
 from jaxpar.planner.cluster import Cluster
 from jaxpar.planner.layout import Layout, timetable
 from jaxpar.planner.memory import ModelShape, activation_terms, state_terms, step_traffic
 
+# how a pipeline's ops are timed: "lockstep", jaxpar's runner (one scan of ticks, a tick as long
+# as its slowest device); "dataflow", each device's ops back to back as their inputs arrive
+# (Megatron-LM's runtime: what published.check_run models for the paper's own layouts)
+CLOCKS = ("lockstep", "dataflow")
 RECOMPUTE = {"none": 1.0, "dots_saveable": 1.05, "dots_with_no_batch_dims_saveable": 1.05, "full": 4 / 3}
 
 
@@ -55,17 +62,81 @@ def recompute_factor(layout: Layout) -> float:
     return RECOMPUTE[layout.remat]
 
 
-def pipeline_stretch(cfg, layout: Layout, microbatches: int) -> float:
-    """The pipeline runner's lockstep time (its timetable: bubble, the last stage's forward
-    folded into its backward, recompute) over the stage work without them, 3m (forward 1,
-    backward 2; zb_h1's split backward: W by weight_share, Bx the rest)."""
+def pipeline_stretch(cfg, layout: Layout, microbatches: int, clock: str = "lockstep") -> float:
+    """The pipeline's time over the stage work without bubble, folding or recompute, 3m (forward
+    1, backward 2; zb_h1's split backward: W by weight_share, Bx the rest). clock "lockstep":
+    jaxpar's runner (its timetable's ticks, the last stage's forward folded into its backward);
+    "dataflow": the same schedule run as Megatron-LM runs it (dataflow_time)."""
     p = layout.size("pipeline")
     if p == 1:
         return 1.0
     v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-    tt = timetable(layout.schedule, p, microbatches, v, layout.recompute)
     w = 2.0 * weight_share(cfg, layout) if layout.schedule in SPLIT else None
+    if clock == "dataflow":
+        w = None if w is None else round(w, 4)
+        return dataflow_time(layout.schedule, p, microbatches, v, layout.recompute, w) / (3.0 * microbatches)
+    if clock != "lockstep":
+        raise ValueError(f"unknown pipeline clock {clock!r}; valid: {', '.join(CLOCKS)}")
+    tt = timetable(layout.schedule, p, microbatches, v, layout.recompute)
     return tt.lockstep_time(1.0, 2.0, w) / (3.0 * microbatches)
+
+
+def dataflow_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
+    """Each device's op order as Megatron-LM issues it: 1f1b with p-1-d warm-up forwards, then
+    one forward one backward (its forward_backward_pipelining_without_interleaving); the
+    interleaved order, gpipe and zb_h1 as jaxpar's runner orders them (the same orders)."""
+    if schedule != "1f1b":
+        return device_orders(schedule, p, m, v)
+    orders = []
+    for d in range(p):
+        w = min(p - 1 - d, m)
+        ops = [Op("F", i, 0) for i in range(w)]
+        for i in range(m - w):
+            ops += [Op("F", w + i, 0), Op("B", i, 0)]
+        orders.append(ops + [Op("B", i, 0) for i in range(m - w, m)])
+    return orders
+
+
+@functools.lru_cache(maxsize=4096)
+def dataflow_time(schedule: str, p: int, m: int, v: int = 1, recompute: bool = False,
+                  weight: float | None = None) -> float:
+    """Time of a pipeline whose devices each run their ops back to back, an op starting as soon
+    as its device is free and its inputs have arrived (a blocking send / receive per op, no
+    global ticks: how Megatron-LM runs 1F1B and its interleaved schedule), in units of a device's
+    whole forward of one microbatch: F 1/v, B 2/v (+ 1/v with recompute), a split backward's W
+    `weight` / v and its B the rest. Every stage, the last included, runs its own forward: 1f1b
+    takes (m + p - 1) x 3, the interleaved schedule 3m + 3(p - 1) / v ((p - 1) / (v m) bubble)."""
+    f, b = 1.0 / v, 2.0 / v
+    w = 0.0 if weight is None else weight / v
+    cost = {"F": f, "B": (b + f if recompute else b) - w, "W": w}
+    orders = dataflow_orders(schedule, p, m, v)
+    G = p * v
+    done: dict[tuple[str, int, int], float] = {}
+    free, pos = [0.0] * p, [0] * p
+    todo, queued = list(range(p)), set(range(p))  # devices whose next op may have become ready
+    while todo:
+        d = todo.pop()
+        queued.discard(d)
+        while pos[d] < len(orders[d]):
+            op = orders[d][pos[d]]
+            g = op.chunk * p + d
+            if op.kind == "F":
+                deps = [("F", op.mb, g - 1)] if g > 0 else []
+            elif op.kind == "W":
+                deps = [("B", op.mb, g)]
+            else:
+                deps = [("F", op.mb, g)] + ([("B", op.mb, g + 1)] if g < G - 1 else [])
+            if any(k not in done for k in deps):
+                break
+            free[d] = done[(op.kind, op.mb, g)] = max([free[d]] + [done[k] for k in deps]) + cost[op.kind]
+            pos[d] += 1
+            for n in ((d + 1) % p, (d - 1) % p):  # the devices that may wait on it
+                if n not in queued:
+                    todo.append(n)
+                    queued.add(n)
+    if any(pos[d] < len(orders[d]) for d in range(p)):
+        raise RuntimeError(f"{schedule} p={p} m={m} v={v}: the op orders wait on each other")
+    return max(free)
 
 
 def weight_share(cfg, layout: Layout) -> float:
@@ -132,9 +203,9 @@ def link_time(cluster: Cluster, kinds: dict) -> float:
 
 
 def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
-              state: dict[str, float] | None = None) -> StepTime:
+              state: dict[str, float] | None = None, clock: str = "lockstep") -> StepTime:
     """The step's seconds on `cluster` (module doc); `state`: this layout's memory.state_terms
-    when already known (the search caches them)."""
+    when already known (the search caches them); `clock`: how a pipeline runs (CLOCKS)."""
     t = cfg.train
     tokens = t.global_batch * t.seq_len
     per_token = model_flops_per_token(cfg, model)
@@ -169,7 +240,7 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
     on_path = (exposed["tensor"] + exposed["pipeline"] + exposed["expert"] + exposed["context"]
                + exposed["zero3_gather"])
     # one device's critical path, stretched by the pipeline's lockstep timetable
-    stretch = pipeline_stretch(cfg, layout, micro)
+    stretch = pipeline_stretch(cfg, layout, micro, clock)
     critical = part_c + part_m + layer_fixed + on_path
     bubble = (stretch - 1.0) * critical
     step = critical + bubble + tick_fixed + exposed["grad_sync"]
