@@ -270,14 +270,34 @@ def test_config_errors():
 ZERO1 = ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=1"]
 
 
+def _one_device_grads(devices) -> dict:
+    """The one-device gradient of tiny_config("mesh.data=1")'s first step (tests/grad_util.
+    first_step_grads): step 1 of the reference the in-scan test below compares with, computed
+    once per process (tests/test_layout_grads.reference)."""
+    from tests.test_layout_grads import reference
+    return reference(["mesh.data=1"], devices)[0]["grads"]
+
+
+def _grads_and_hlo(cfg, devices) -> tuple:
+    """(trainer, the gradient of the first step as in tests/grad_util.first_step_grads, the
+    compiled step's HLO text): the step compiled once (AOT) and that executable run."""
+    from tests.grad_util import canonical_grads, grad_trainer, to_numpy
+    t, step = grad_trainer(cfg, devices)
+    state, tokens = t.init_state(), t.loader.batch(0)
+    exe = step.lower(state, tokens).compile()
+    _, metrics = exe(state, tokens)
+    return t, canonical_grads(t, to_numpy(metrics))["grads"], exe.as_text()
+
+
 def _rel_err(grads, ref) -> float:
     return max(jax.tree.leaves(jax.tree.map(
         lambda a, b: float(np.abs(a - b).max() / (np.abs(b).max() + 1e-12)), grads, ref)))
 
 
-def _bytes_by_kind(trainer) -> dict:
+def _bytes_by_kind(trainer_or_hlo) -> dict:
+    text = trainer_or_hlo if isinstance(trainer_or_hlo, str) else trainer_or_hlo.compile().as_text()
     out: dict = {}
-    for op in collective_ops(trainer.compile().as_text()):
+    for op in collective_ops(text):
         out[(op.kind, op.dtype)] = out.get((op.kind, op.dtype), 0) + op.bytes
     return out
 
@@ -288,18 +308,21 @@ def test_zero1_compressed_reduction_ends_at_the_optimizer_shard(devices):
     whole gradient. The gradient still equals one device's: exactly where nothing is dropped
     (topk keeping every value: the scattered layout alone) and within int8's rounding."""
     from tests.grad_util import first_step_grads
-    ref, _ = first_step_grads(tiny_config("mesh.data=1"), devices[:1])
+    ref = _one_device_grads(devices)
     exact, _ = first_step_grads(tiny_config(*ZERO1, "gradient_compression.method=topk",
                                             "gradient_compression.topk_fraction=1.0"), devices)
     assert _rel_err(exact, ref) < 1e-5
-    int8, _ = first_step_grads(tiny_config(*ZERO1, "gradient_compression.method=int8"), devices)
+    # ZeRO-1 int8: one compile, for its gradient and its HLO (the step with return_grads: the
+    # same reduction, its result also returned)
+    cfg = lambda z: tiny_config("mesh.data=2", "mesh.fsdp=4", f"sharding.zero_stage={z}",
+                                "gradient_compression.method=int8")
+    assert cfg(1) == tiny_config(*ZERO1, "gradient_compression.method=int8")
+    t1, int8, text1 = _grads_and_hlo(cfg(1), devices)
     assert _rel_err(int8, ref) < 2e-2
     # the int8 payload gathered back: over data (2) only, a quarter of the bucket each, against
     # every batch device (8) at ZeRO-0
-    cfg = lambda z: tiny_config("mesh.data=2", "mesh.fsdp=4", f"sharding.zero_stage={z}",
-                                "gradient_compression.method=int8")
-    t0, t1 = (Trainer(cfg(z), devices=devices, log=lambda s: None) for z in (0, 1))
-    b0, b1 = _bytes_by_kind(t0), _bytes_by_kind(t1)
+    t0 = Trainer(cfg(0), devices=devices, log=lambda s: None)
+    b0, b1 = _bytes_by_kind(t0), _bytes_by_kind(text1)
     assert b1[("all-to-all", "s8")] == b0[("all-to-all", "s8")]
     assert b1[("all-gather", "s8")] <= 1.1 * b0[("all-gather", "s8")] / 4
     assert "data+fsdp_scattered: int8 over data+fsdp" in t1.spec.sync.describe()
@@ -335,11 +358,10 @@ def test_compressed_reduction_of_each_layer_inside_the_backward(layout, devices)
     sync = t.spec.sync
     assert sync.in_scan and f"per layer in the backward scan: {method} over" in sync.describe()
     state, got = t.init_state(), []
+    exe = step.lower(state, t.loader.batch(0)).compile()  # compiled once: run, and its HLO read
+    text = exe.as_text()
     for i in range(2):
-        tokens = t.loader.batch(i)
-        if i == 0:
-            text = step.lower(state, tokens).compile().as_text()
-        state, metrics = step(state, tokens)
+        state, metrics = exe(state, t.loader.batch(i))
         got.append(to_numpy(metrics))
     for k, (g, r) in enumerate(zip(got, reference(["mesh.data=1"], devices)), start=1):
         leaf_err, norm_err = relative_errors(g, r)
@@ -430,14 +452,11 @@ def float8_registered():
 def test_a_compressor_is_one_class_and_one_registry_line(float8_registered, devices):
     """Registered from this file, the method is valid config, the step reduces with it (uint8
     on the wire, both ways) and the gradient is one device's within float8's rounding."""
-    from tests.grad_util import first_step_grads
     cfg = tiny_config("mesh.data=8", "sharding.zero_stage=0", "gradient_compression.method=float8_test")
-    t = Trainer(cfg, devices=devices, log=lambda s: None)
+    t, grads, text = _grads_and_hlo(cfg, devices)  # one compile: the gradient and the HLO
     assert t.spec.sync.describe() == ("data: float8_test over data; "  # no state: each layer in the scan
                                       "data per layer in the backward scan: float8_test over data")
-    kinds = {(op.kind, op.dtype) for op in collective_ops(t.compile().as_text())}
+    kinds = {(op.kind, op.dtype) for op in collective_ops(text)}
     assert {("all-to-all", "u8"), ("all-gather", "u8")} <= kinds
-    ref, _ = first_step_grads(tiny_config("mesh.data=1"), devices[:1])
-    grads, _ = first_step_grads(cfg, devices)
-    err = _rel_err(grads, ref)
+    err = _rel_err(grads, _one_device_grads(devices))
     assert 1e-4 < err < 0.15  # compressed (not float32), but close
