@@ -17,7 +17,8 @@
     working     what is live while a backward recomputes: a share of one layer's activations
                 (remat); a pipeline tick: the stage residuals it holds besides the ring
                 (STASH_TICK; with recompute the stage vjp's own) and, under remat, the one
-                layer its backward recomputes (a remat-free layer's residuals less the stashed)
+                layer its backward recomputes (a remat-free layer's residuals less the stashed),
+                without remat that layer's residuals sliced out of the stage's stack
     boundary    a pipeline's [tokens, D] stage-boundary buffers: the x and g rings (their
                 timetable slots and spare ones) and a tick's reads, copies and zeros of them
     w_kept      zb_h1: per layer and microbatch between its Bx and its W, what W reads that Bx
@@ -149,6 +150,7 @@ STASHED = {
 }
 for _k, _v in STASHED.items():  # tensor parallelism's full-width tensors as KEPT has them
     _v["d_tp"] = _v["d"] + KEPT[_k]["d_tp"] - KEPT[_k]["d"]
+del _k, _v
 STASHED["dots_with_no_batch_dims_saveable"] = KEPT["dots_with_no_batch_dims_saveable"]  # unmeasured
 
 
