@@ -27,7 +27,7 @@ BASE = {"model": {"preset": "tiny", "n_layers": 4, "dim": 128, "n_heads": 8, "n_
         "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}}
 TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups replicate the rest
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
-# policies (none, full, dots_saveable), context: 17 layouts, one compile each
+# policies (none, full, dots_saveable; pipelined too), context: 20 layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
@@ -42,6 +42,11 @@ LAYOUTS = [
     f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.recompute=true {TOL}",
     # zb_h1: the cotangents its Bx keeps for W, in the timetable's w slots
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=zb_h1 {TOL}",
+    # pipelines under a remat policy: the stashed vjp leaves, the layer each backward recomputes
+    f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 train.remat=full {TOL}",
+    f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=zb_h1 train.remat=dots_saveable {TOL}",
+    f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe pipeline.recompute=true "
+    f"train.remat=full {TOL}",
     f"mesh.data=2 mesh.expert=4 model.moe.num_experts=4 {TOL}",
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1",
     "mesh.data=2 mesh.tensor=2 mesh.fsdp=2 sharding.zero_stage=3 train.remat=dots_saveable",

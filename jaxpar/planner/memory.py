@@ -11,10 +11,16 @@
                 the updated params, all-gathered from the optimizer's shards
     activations what the backward keeps, per token and layer, by remat policy and attention
                 implementation, for the tokens of one microbatch on a device; a pipeline stage
-                stashes its vjp residuals in its timetable's slots (pipeline.recompute: false),
-                or keeps only each in-flight microbatch's input (recompute: true)
+                stashes its vjp's residual leaves (STASHED) in the runner's ring buffer, the
+                timetable's slots and a spare one (pipeline.recompute: false), or keeps each
+                in-flight microbatch's input in its x ring (recompute: true)
     working     what is live while a backward recomputes: a share of one layer's activations
-                (remat), a whole stage's for one microbatch (pipeline)
+                (remat); a pipeline tick: the stage residuals it holds besides the ring
+                (STASH_TICK; with recompute the stage vjp's own) and, under remat, the one
+                layer its backward recomputes (a remat-free layer's residuals less the stashed),
+                without remat that layer's residuals sliced out of the stage's stack
+    boundary    a pipeline's [tokens, D] stage-boundary buffers: the x and g rings (their
+                timetable slots and spare ones) and a tick's reads, copies and zeros of them
     w_kept      zb_h1: per layer and microbatch between its Bx and its W, what W reads that Bx
                 computed (w_kept_bytes), in the timetable's w slots (d + 1 on device d)
     logits      float32 [tokens, vocab / tensor] logits, their softmax and gradient
@@ -43,12 +49,16 @@ from jaxpar.sharding import Plan, entry_axes
 from jaxpar.train.precision import DTYPES, has_masters
 
 ADAM_TRANSIENT = 1.0     # float32 copies of the optimizer shard Adam's update holds at once
-# A pipeline stage's backward holds its recomputed forward: layers' worth of activations per
-# stage layer (measured; 1f1b's runner keeps a forward and a backward tick's buffers at once).
-STAGE_WORKING = {"gpipe": 1.1, "1f1b": 1.6}
-# pipeline.recompute false: per residual slot, and live besides, in one microbatch's stage
-# activations (measured: 1f1b p=2 m=2, gpipe p=4 m=4, 1f1b p=4 m=8)
-STASH_PER_SLOT, STASH_WORKING = 1.1, 4.1
+# pipeline.recompute false: one microbatch's stage residuals (the vjp's stashed leaves) a tick
+# holds besides the runner's ring buffer: the slot it reads (a dynamic slice), that slice's copy
+# as the tick's switch operand, the branches' zero residuals (a constant, live all the loop),
+# and what the tick's own forward keeps (a forward's new residuals, or the last stage's folded
+# forward's for its backward). Read off the compiled step's live buffers at its peak.
+STASH_TICK = 4
+# [tokens, D] stage-boundary buffers a tick holds besides the x and g ring buffers: the input
+# and cotangent slots it reads (two slices) and their copies as the switch's operands, and the
+# branches' zero activations.
+BOUNDARY_TICK = 5
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
 
@@ -126,12 +136,29 @@ KEPT = {
     "full": {"d": 1.0, "d_tp": 1.0, "heads": 0.0, "mlp": 0.0, "scores": 0.0},
 }
 KEPT["dots_with_no_batch_dims_saveable"] = KEPT["dots_saveable"]
+# A pipeline stage's stash (pipeline.recompute false) is its vjp's residual leaves, what the
+# runner's ring buffer holds whatever XLA could have fused: counted from those leaves' shapes
+# (tests' model, p = 2): none keeps 6 D-sized values, q and the attention output (H hd) and k, v
+# (2 K hd: 2 "heads" of (H + K) hd), 6 F-sized ones and the float32 logits and probabilities
+# [H, S] with the causal mask's bools (K S bytes, 1/8 of a float32 [H, S] there); dots_saveable
+# the dots' outputs: 2 D (the attention and MLP output projections), q, k, v and the attention
+# output, 2 F (gate, up) and the scores; full the layer's input.
+STASHED = {
+    "none": {"d": 6.0, "heads": 2.0, "mlp": 6.0, "scores": 2.125},
+    "dots_saveable": {"d": 2.0, "heads": 2.0, "mlp": 2.0, "scores": 1.0},
+    "full": {"d": 1.0, "heads": 0.0, "mlp": 0.0, "scores": 0.0},
+}
+for _k, _v in STASHED.items():  # tensor parallelism's full-width tensors as KEPT has them
+    _v["d_tp"] = _v["d"] + KEPT[_k]["d_tp"] - KEPT[_k]["d"]
+del _k, _v
+STASHED["dots_with_no_batch_dims_saveable"] = KEPT["dots_with_no_batch_dims_saveable"]  # unmeasured
 
 
 def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, xla_attention: bool,
-                          sequence_parallel: bool) -> float:
-    """Bytes the backward keeps per token per layer under `remat` (see the module doc)."""
-    k = KEPT[remat]
+                          sequence_parallel: bool, table: dict = KEPT) -> float:
+    """Bytes the backward keeps per token per layer under `remat` (see the module doc); `table`
+    STASHED: what a pipeline stage's vjp stashes."""
+    k = table[remat]
     d = ms.dim / t if sequence_parallel else ms.dim
     d_copies = k["d"] if t == 1 or sequence_parallel else k["d_tp"]
     heads = (ms.heads + ms.kv_heads) * ms.head_dim / t
@@ -172,16 +199,6 @@ def w_kept_bytes(cfg: Config, layout: Layout) -> float:
         out += 4 * k["d32"] * d + c * (k["d"] * d + (k["heads"] * ms.heads * ms.head_dim
                                                     + k["mlp"] * ms.ffn) / t)
     return out
-
-
-def in_flight(layout: Layout, microbatches: int) -> int:
-    """Microbatches whose activations a pipeline stage holds at its peak."""
-    p = layout.size("pipeline")
-    if p == 1:
-        return 1
-    if layout.schedule == "gpipe":
-        return microbatches
-    return min(p * layout.virtual_stages, microbatches)
 
 
 def estimate(cfg: Config, layout: Layout, model, state: dict | None = None) -> dict[str, float]:
@@ -234,10 +251,10 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
 
 
 def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
-    """activations, working, w_kept, logits, batch (module doc)."""
+    """activations, working, w_kept, boundary, logits, batch (module doc)."""
     t = cfg.train
     c = itemsize(t.compute_dtype)
-    out = {"w_kept": 0.0}
+    out = {"w_kept": 0.0, "boundary": 0.0}
     ms = ModelShape.of(cfg.model)
     batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
     microbatches = layout.micro
@@ -252,20 +269,36 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     layers = ms.layers / layout.size("pipeline")
     full = per_token_layer_bytes(ms, "none", c, tp, t.seq_len, xla, sp)
     kept = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp)
-    if layout.size("pipeline") > 1 and layout.recompute:
-        # The pipeline's backward recomputes its stage's forward: a stage keeps each in-flight
-        # microbatch's input, and holds one microbatch's stage activations while it runs a backward.
-        out["activations"] = tokens * ms.dim * c * in_flight(layout, microbatches)
-        stage = layers * STAGE_WORKING["gpipe" if layout.schedule == "gpipe" else "1f1b"]
-        out["working"] = tokens * stage * (full if layout.remat == "none" else kept + WORKING * full / layers)
-    elif layout.size("pipeline") > 1:
-        # A forward tick stashes its stage's vjp residuals for its backward: the timetable's
-        # residual slots of one microbatch's stage activations each, plus the working set.
+    if layout.size("pipeline") > 1:
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
-        tt = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, False)
-        stage = tokens * layers / v * (kept if layout.remat != "none" else full)
-        out["activations"] = STASH_PER_SLOT * tt.n_r_slots * stage
-        out["working"] = STASH_WORKING * stage
+        tt = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, layout.recompute)
+        # one microbatch's stage residuals, the stage vjp's leaves (STASHED by the remat policy)
+        stashed = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp, STASHED)
+        stage = tokens * layers / v * stashed
+        if layout.recompute:
+            # A stage keeps each in-flight microbatch's input (the x ring: its slots and the
+            # spare one); a backward tick runs the stage's vjp again: its residuals, live at once.
+            out["activations"] = (tt.n_x_slots + 1) * tokens * ms.dim * c
+            out["working"] = stage
+            boundary = tt.n_g_slots + 1 + BOUNDARY_TICK
+        else:
+            # A forward tick stashes the residuals for its backward in the runner's ring buffer
+            # (the timetable's residual slots and the spare one that takes what arrives for
+            # nobody); a tick holds STASH_TICK more (its slot read, the copy, the zeros, its own
+            # forward's).
+            out["activations"] = (tt.n_r_slots + 1) * stage
+            out["working"] = STASH_TICK * stage
+            boundary = tt.n_x_slots + 1 + tt.n_g_slots + 1 + BOUNDARY_TICK
+        if layout.remat != "none":
+            # the backward (Bx with zb_h1) recomputes one layer at a time what the policy did not
+            # save: a remat-free layer's residuals less the stashed ones, all live at its peak
+            out["working"] += tokens * max(full - stashed, 0.0)
+        elif layers / v > 1:
+            # a layer's backward reads its residuals sliced out of the stage's stacked ones (a
+            # copy; the loop of a one-layer stage is folded away and reads them in place)
+            out["working"] += tokens * stashed
+        # the stage-boundary ring buffers (inputs, cotangents) and a tick's other [tokens, D]s
+        out["boundary"] = boundary * tokens * ms.dim * c
         if tt.n_w_slots:  # the runner's ring buffer: the timetable's w slots and one for nobody
             out["w_kept"] = (tt.n_w_slots + 1) * tokens * layers * w_kept_bytes(cfg, layout)
     else:
