@@ -35,7 +35,7 @@ import functools
 from dataclasses import dataclass, field
 
 from jaxpar.metrics import llama_flops_per_token
-from jaxpar.parallel.pipeline.schedule import SPLIT, Op, device_orders
+from jaxpar.parallel.pipeline.schedule import SPLIT, Op, device_orders, op_inputs, op_key
 from jaxpar.planner.cluster import Cluster
 from jaxpar.planner.layout import Layout, timetable
 from jaxpar.planner.memory import ModelShape, activation_terms, state_terms, step_traffic
@@ -110,7 +110,6 @@ def dataflow_time(schedule: str, p: int, m: int, v: int = 1, recompute: bool = F
     w = 0.0 if weight is None else weight / v
     cost = {"F": f, "B": (b + f if recompute else b) - w, "W": w}
     orders = dataflow_orders(schedule, p, m, v)
-    G = p * v
     done: dict[tuple[str, int, int], float] = {}
     free, pos = [0.0] * p, [0] * p
     todo, queued = list(range(p)), set(range(p))  # devices whose next op may have become ready
@@ -119,16 +118,10 @@ def dataflow_time(schedule: str, p: int, m: int, v: int = 1, recompute: bool = F
         queued.discard(d)
         while pos[d] < len(orders[d]):
             op = orders[d][pos[d]]
-            g = op.chunk * p + d
-            if op.kind == "F":
-                deps = [("F", op.mb, g - 1)] if g > 0 else []
-            elif op.kind == "W":
-                deps = [("B", op.mb, g)]
-            else:
-                deps = [("F", op.mb, g)] + ([("B", op.mb, g + 1)] if g < G - 1 else [])
+            deps = op_inputs(op, d, p, v)
             if any(k not in done for k in deps):
                 break
-            free[d] = done[(op.kind, op.mb, g)] = max([free[d]] + [done[k] for k in deps]) + cost[op.kind]
+            free[d] = done[op_key(op, d, p)] = max([free[d]] + [done[k] for k in deps]) + cost[op.kind]
             pos[d] += 1
             for n in ((d + 1) % p, (d - 1) % p):  # the devices that may wait on it
                 if n not in queued:

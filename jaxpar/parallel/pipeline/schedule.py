@@ -227,12 +227,27 @@ def idle_formula(schedule: str, p: int, m: int, v: int = 1) -> float:
     return float(Fraction(p - 1, m + p - 1))
 
 
+def op_key(op: Op, d: int, p: int) -> tuple[str, int, int]:
+    """(kind, microbatch, global stage) of device d's op: how ops name what they wait for."""
+    return op.kind, op.mb, op.chunk * p + d
+
+
+def op_inputs(op: Op, d: int, p: int, v: int) -> list[tuple[str, int, int]]:
+    """The op_keys device d's op waits for: a forward, the previous stage's forward; a backward,
+    its own forward and the next stage's backward; a split backward's W, its own B."""
+    g, last = op.chunk * p + d, p * v - 1
+    if op.kind == "F":
+        return [("F", op.mb, g - 1)] if g > 0 else []
+    if op.kind == "W":
+        return [("B", op.mb, g)]
+    return [("F", op.mb, g)] + ([("B", op.mb, g + 1)] if g < last else [])
+
+
 def simulate(orders: list[list[Op]], p: int, v: int, alternate: bool = False) -> list[list[Op | None]]:
     """Run each device's order in lockstep ticks; an op runs once its inputs were sent on an
     earlier tick (forward: the previous stage's forward; backward: the next stage's backward and
     its own forward). `alternate`: even rows run forwards only, odd rows backwards only."""
-    G = p * v
-    done: dict[tuple[str, int, int], int] = {}  # (kind, mb, global stage) -> tick
+    done: dict[tuple[str, int, int], int] = {}  # op_key -> tick
     pos = [0] * p
     grid: list[list[Op | None]] = []
     total = sum(len(o) for o in orders)
@@ -245,18 +260,11 @@ def simulate(orders: list[list[Op]], p: int, v: int, alternate: bool = False) ->
             op = orders[d][pos[d]]
             if alternate and (op.kind == "F") != (t % 2 == 0):
                 continue
-            g = op.chunk * p + d
-            if op.kind == "F":
-                deps = [("F", op.mb, g - 1)] if g > 0 else []
-            elif op.kind == "W":
-                deps = [("B", op.mb, g)]
-            else:
-                deps = [("F", op.mb, g)] + ([("B", op.mb, g + 1)] if g < G - 1 else [])
-            if all(done.get(k, t) < t for k in deps):
+            if all(done.get(k, t) < t for k in op_inputs(op, d, p, v)):
                 row[d] = op
         for d, op in enumerate(row):
             if op is not None:
-                done[(op.kind, op.mb, op.chunk * p + d)] = t
+                done[op_key(op, d, p)] = t
                 pos[d] += 1
         grid.append(row)
         t += 1
