@@ -27,7 +27,8 @@ BASE = {"model": {"preset": "tiny", "n_layers": 4, "dim": 128, "n_heads": 8, "n_
         "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}}
 TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups replicate the rest
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
-# policies (none, full, dots_saveable; pipelined too), context: 21 layouts, one compile each
+# policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16), context: 24
+# layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
@@ -48,6 +49,12 @@ LAYOUTS = [
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=zb_h1 train.remat=dots_saveable {TOL}",
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe pipeline.recompute=true "
     f"train.remat=full {TOL}",
+    # pipelines beside tensor parallelism, and in bf16: the stash's D-sized leaves stay full-width
+    f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 {TOL}",
+    f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 pipeline.schedule=zb_h1 "
+    f"train.compute_dtype=bfloat16 {TOL}",
+    f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 train.remat=full "
+    f"train.compute_dtype=bfloat16 {TOL}",
     f"mesh.data=2 mesh.expert=4 model.moe.num_experts=4 {TOL}",
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1",
     "mesh.data=2 mesh.tensor=2 mesh.fsdp=2 sharding.zero_stage=3 train.remat=dots_saveable",
@@ -124,9 +131,10 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
             continue
         if tensor and kind != "all-reduce":
             continue
-        if kind == "collective-permute" and cfg.mesh.pipeline > 1:
-            # the runner's sends sit in per-tick conditionals: the HLO's loop count sees each on
-            # every tick (tests/test_pipeline_perf.py checks them against the timetable instead)
+        if kind in ("collective-permute", "all-reduce" if tensor else "") and cfg.mesh.pipeline > 1:
+            # the runner's sends (and a stage's tensor all-reduces) sit in per-tick conditionals:
+            # the HLO's loop count sees each branch's on every tick (tests/test_pipeline_perf.py
+            # checks the sends against the timetable instead)
             continue
         if (kind == "reduce-scatter" and cfg.sharding.zero_stage == 2 and cfg.train.grad_accum > 1
                 and cfg.mesh.pipeline == 1):
