@@ -474,9 +474,11 @@ def test_memory_roofline_and_rendezvous_latency():
     ring = cpu8.model_copy(update={"intra": cpu8.intra.model_copy(update={"collective": "ring"})})
     assert link_time(cpu8, kinds) == pytest.approx(3 * cpu8.intra.latency_us * 1e-6)
     assert link_time(ring, kinds) == pytest.approx(42 * cpu8.intra.latency_us * 1e-6)
-    # a GPU preset has no memory term and keeps its units to itself
+    # a GPU preset: HBM bandwidth (vendor specs), no first-touch term, its units to itself
+    gbps = {n: load_cluster(n).memory_gbps for n in ("a100_80gb_x8", "h100_80gb_x8", "h200_x8", "tpu_v5p")}
+    assert gbps == {"a100_80gb_x8": 2039, "h100_80gb_x8": 3350, "h200_x8": 4800, "tpu_v5p": 2765}
     a100 = load_cluster("a100_80gb_x8")
-    assert a100.memory_gbps is None and a100.fresh_gbps is None and not a100.shared_compute
+    assert a100.fresh_gbps is None and not a100.shared_compute and a100.efficiency.memory_overlap == 1.0
 
 
 def test_calibration_plan_per_platform():
