@@ -27,12 +27,14 @@ BASE = {"model": {"preset": "tiny", "n_layers": 4, "dim": 128, "n_heads": 8, "n_
         "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}}
 TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups replicate the rest
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
-# policies (none, full, dots_saveable; pipelined too), context: 20 layouts, one compile each
+# policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16), context: 24
+# layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
     "mesh.data=2 mesh.tensor=4",
     "mesh.data=4 mesh.tensor=2 sharding.sequence_parallel=true",
+    "mesh.data=4 mesh.tensor=2 sharding.sequence_parallel=true train.remat=full",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=1",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2 train.grad_accum=2",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3",
@@ -47,6 +49,12 @@ LAYOUTS = [
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=zb_h1 train.remat=dots_saveable {TOL}",
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe pipeline.recompute=true "
     f"train.remat=full {TOL}",
+    # pipelines beside tensor parallelism, and in bf16: the stash's D-sized leaves stay full-width
+    f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 {TOL}",
+    f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 pipeline.schedule=zb_h1 "
+    f"train.compute_dtype=bfloat16 {TOL}",
+    f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 train.remat=full "
+    f"train.compute_dtype=bfloat16 {TOL}",
     f"mesh.data=2 mesh.expert=4 model.moe.num_experts=4 {TOL}",
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1",
     "mesh.data=2 mesh.tensor=2 mesh.fsdp=2 sharding.zero_stage=3 train.remat=dots_saveable",
@@ -100,9 +108,11 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
     `tensor` before them doubled their bytes), and so are ZeRO-3's gathers and their gradients'
     reduce-scatters (each device gathers its own tensor block, parallel/data.gather_in; the
     partitioner's gathers over `tensor` around them made 4x the all-gather bytes, 2x the
-    reduce-scatter's). With sequence parallelism the activations' all-gathers and reduce-scatters
-    (XLA:CPU's: all-reduces of the whole activation, then a slice) within 35% too; the
-    all-to-alls XLA adds around RoPE are not modelled."""
+    reduce-scatter's). With sequence parallelism the reduce-scatters (XLA:CPU's: all-reduces of
+    the whole activation, then a slice) within 2%, the all-gathers never above the HLO's and at
+    most 15% below (the HLO's rest: the embedding table, and wq and wk, which XLA gathers to
+    project the sequence-split tokens when q and k are resharded at RoPE); those all-to-alls are
+    not modelled (an artefact: see _rope_reshard_bytes), the HLO's at most that bound."""
     cfg, _, _, _, comm, hlo = compiled[overrides]
     pred = comm["kinds"]
     tensor = cfg.mesh.tensor > 1
@@ -111,18 +121,20 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
         got = pred.get(kind, {}).get("result_bytes", 0.0)
         if want < 64 * 1024 and got < 64 * 1024:
             continue  # scalars and norm-sized reductions
+        if tensor and cfg.sharding.sequence_parallel:
+            _check_sequence_parallel(cfg, kind, got, want)
+            continue
         zero_scatter = kind == "reduce-scatter" and cfg.sharding.zero_stage in (1, 2)
         zero3 = kind in ("all-gather", "reduce-scatter") and cfg.sharding.zero_stage == 3
         if tensor and (zero_scatter or zero3) and not cfg.sharding.sequence_parallel:
             assert got == pytest.approx(want, rel=0.05), (kind, got, want)
             continue
-        if tensor and cfg.sharding.sequence_parallel and kind == "all-to-all":
-            continue  # XLA's own: q and k moved from the sequence split to the head split at RoPE
-        if tensor and kind not in ("all-reduce", "all-gather" if cfg.sharding.sequence_parallel else ""):
+        if tensor and kind != "all-reduce":
             continue
-        if kind == "collective-permute" and cfg.mesh.pipeline > 1:
-            # the runner's sends sit in per-tick conditionals: the HLO's loop count sees each on
-            # every tick (tests/test_pipeline_perf.py checks them against the timetable instead)
+        if kind in ("collective-permute", "all-reduce" if tensor else "") and cfg.mesh.pipeline > 1:
+            # the runner's sends (and a stage's tensor all-reduces) sit in per-tick conditionals:
+            # the HLO's loop count sees each branch's on every tick (tests/test_pipeline_perf.py
+            # checks the sends against the timetable instead)
             continue
         if (kind == "reduce-scatter" and cfg.sharding.zero_stage == 2 and cfg.train.grad_accum > 1
                 and cfg.mesh.pipeline == 1):
@@ -132,6 +144,28 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
             want /= 2
         rel = 0.35 if tensor else 0.25 if kind == "all-gather" and cfg.sharding.zero_stage == 3 else 0.05
         assert got == pytest.approx(want, rel=rel), (kind, got, want)
+
+
+def _rope_reshard_bytes(cfg) -> float:
+    """XLA's all-to-alls under sequence parallelism: q and k [tokens, heads / tensor, head_dim]
+    of each layer and forward pass, moved from the sequence split to the head split after RoPE.
+    An artefact of where the model constrains q and k (after RoPE, not after the projection):
+    with the constraint before RoPE the HLO has none, and no wq / wk gathers (docs/planner.md)."""
+    m, t = cfg.model, cfg.train
+    tokens = t.global_batch / (cfg.mesh.data * cfg.mesh.fsdp) * t.seq_len
+    heads = (m.n_heads + m.n_kv_heads) / cfg.mesh.tensor * (m.head_dim or m.dim // m.n_heads)
+    passes = 2 if t.remat == "full" else 1
+    return passes * m.n_layers * tokens * heads * 4  # float32 (the tests' compute dtype)
+
+
+def _check_sequence_parallel(cfg, kind: str, got: float, want: float) -> None:
+    """Predicted (got) against the HLO's (want) bytes of one kind with sequence parallelism."""
+    if kind == "all-to-all":
+        assert got == 0 and want <= _rope_reshard_bytes(cfg), (kind, want, _rope_reshard_bytes(cfg))
+    elif kind == "all-gather":
+        assert 0.85 * want <= got <= want, (kind, got, want)
+    else:
+        assert got == pytest.approx(want, rel=0.02), (kind, got, want)
 
 
 @pytest.fixture(scope="module")
@@ -440,9 +474,11 @@ def test_memory_roofline_and_rendezvous_latency():
     ring = cpu8.model_copy(update={"intra": cpu8.intra.model_copy(update={"collective": "ring"})})
     assert link_time(cpu8, kinds) == pytest.approx(3 * cpu8.intra.latency_us * 1e-6)
     assert link_time(ring, kinds) == pytest.approx(42 * cpu8.intra.latency_us * 1e-6)
-    # a GPU preset has no memory term and keeps its units to itself
+    # a GPU preset: HBM bandwidth (vendor specs), no first-touch term, its units to itself
+    gbps = {n: load_cluster(n).memory_gbps for n in ("a100_80gb_x8", "h100_80gb_x8", "h200_x8", "tpu_v5p")}
+    assert gbps == {"a100_80gb_x8": 2039, "h100_80gb_x8": 3350, "h200_x8": 4800, "tpu_v5p": 2765}
     a100 = load_cluster("a100_80gb_x8")
-    assert a100.memory_gbps is None and a100.fresh_gbps is None and not a100.shared_compute
+    assert a100.fresh_gbps is None and not a100.shared_compute and a100.efficiency.memory_overlap == 1.0
 
 
 def test_calibration_plan_per_platform():

@@ -10,10 +10,15 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
                   per-microbatch gathers forward and backward)
   tensor          Megatron activations [tokens, D] per layer and microbatch: 2 all-reduces in the
                   forward and, as XLA partitions the backward, tp_backward_all_reduces there
-                  (sequence parallel: an all-gather + reduce-scatter pair each instead; XLA:CPU
-                  has no ReduceScatterCreator pass, its reduce-scatter is an all-reduce of the
-                  whole activation and a slice), + 2 at the embedding/head; remat "full"
-                  repeats the forward's
+                  + 2 at the embedding/head; remat "full" repeats the forward's. Sequence
+                  parallel (sp_collectives): per layer 6 all-gathers (2 forward, the output
+                  gradients of the 2 reduce-scatters, the 2 norm outputs again for the weight
+                  gradients, or under remat "full" the recomputed forward's gathers serve those)
+                  and 2 + tp_backward_all_reduces reduce-scatters (+ 1 recomputed under "full":
+                  the attention's; the MLP's is the layer's output, which the backward does not
+                  read); the head 2 all-gathers, 1 reduce-scatter. XLA:CPU has no
+                  ReduceScatterCreator pass: its reduce-scatter is an all-reduce of the whole
+                  activation and a slice
   pipeline        collective-permutes of stage activations (forward) and their gradients
                   (backward) on each tick of the timetable on which some device receives; with
                   the "dataflow" clock (Megatron-LM's runtime, timing.CLOCKS) one send per op
@@ -47,6 +52,19 @@ def tp_backward_all_reduces(platform: str) -> int:
     AllReduceReassociate, add(all-reduce(a), all-reduce(b)) -> all-reduce(a + b): one per block,
     2, Megatron-LM's count (its fused QKV and single MLP input matmul). Other platforms: 5."""
     return 2 if platform == "gpu" else TP_BACKWARD_ALL_REDUCES
+
+
+def sp_collectives(remat: str, platform: str) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of [tokens, D] per layer with sequence parallelism. Forward:
+    each block gathers its normed input and scatters its output (2 + 2). Backward: the scatters'
+    gradients are gathers (2), the gathers' are scatters (tp_backward_all_reduces, one per
+    column-parallel partial sum), and the weight gradients read the gathered norm outputs, which
+    the step gathers again (2; Megatron-LM's SP does the same) unless remat "full" has just
+    recomputed them: its recomputed forward gathers 2 and scatters 1 (the attention's output;
+    the MLP's is the layer's output, which nothing in the backward reads). Read off the XLA:CPU
+    HLO (2026-12-03): 6 and 7 per layer with and without remat full, 8 scatters with it."""
+    scatters = 2 + tp_backward_all_reduces(platform) + (1 if remat == "full" else 0)
+    return 6, scatters
 
 
 def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
@@ -191,11 +209,12 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
         per_layer = fwd + tp_backward_all_reduces(platform)
         lk = link(("tensor",))
         if cfg.sharding.sequence_parallel:
-            add_op(out, "all-gather", act, tp, micro * (layers * per_layer + 2), lk)
+            gathers, scatters = sp_collectives(layout.remat, platform)
+            add_op(out, "all-gather", act, tp, micro * (layers * gathers + 2), lk)
             if platform == "gpu":
-                add_op(out, "reduce-scatter", act / tp, tp, micro * (layers * per_layer + 2), lk)
+                add_op(out, "reduce-scatter", act / tp, tp, micro * (layers * scatters + 1), lk)
             else:  # no ReduceScatterCreator: all-reduce, then each device slices its part
-                add_op(out, "all-reduce", act, tp, micro * (layers * per_layer + 2), lk)
+                add_op(out, "all-reduce", act, tp, micro * (layers * scatters + 1), lk)
         else:
             add_op(out, "all-reduce", act, tp, micro * (layers * per_layer + 2), lk)
         purpose["tensor"] = sum(r["wire_bytes"] for r in out.values()) - before

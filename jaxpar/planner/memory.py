@@ -148,9 +148,12 @@ STASHED = {
     "dots_saveable": {"d": 2.0, "heads": 2.0, "mlp": 2.0, "scores": 1.0},
     "full": {"d": 1.0, "heads": 0.0, "mlp": 0.0, "scores": 0.0},
 }
-for _k, _v in STASHED.items():  # tensor parallelism's full-width tensors as KEPT has them
-    _v["d_tp"] = _v["d"] + KEPT[_k]["d_tp"] - KEPT[_k]["d"]
-del _k, _v
+# Tensor parallelism splits the heads- and MLP-shaped leaves; the D-sized ones stay full-width
+# and as many: the stash is the same leaves (read off the runner's ring buffers at tensor 2,
+# 2026-12-03: 6 [tokens, D] a layer with remat none, as at tensor 1), not KEPT's extra copies.
+for _v in STASHED.values():
+    _v["d_tp"] = _v["d"]
+del _v
 STASHED["dots_with_no_batch_dims_saveable"] = KEPT["dots_with_no_batch_dims_saveable"]  # unmeasured
 
 
