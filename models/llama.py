@@ -107,12 +107,14 @@ class Block(nnx.Module):
 
     def qkv(self, h: jax.Array, cos: jax.Array, sin: jax.Array):
         """The rotated queries and keys, and the values, of normed inputs h [batch, seq, dim]."""
-        q = jnp.einsum("bsd,dhk->bshk", h, self.wq[...])
-        k = jnp.einsum("bsd,dhk->bshk", h, self.wk[...])
-        v = jnp.einsum("bsd,dhk->bshk", h, self.wv[...])
-        q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
-        k = constrain(apply_rope(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
-        return q, k, constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        # laid out at the projections, before RoPE: constrained only after it, the compiler kept
+        # a sequence-split residual stream's split through the q and k projections (gathering
+        # wq and wk whole) and resharded q and k by all-to-alls after RoPE
+        q_axes, kv_axes = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+        q = constrain(jnp.einsum("bsd,dhk->bshk", h, self.wq[...]), q_axes)
+        k = constrain(jnp.einsum("bsd,dhk->bshk", h, self.wk[...]), kv_axes)
+        v = constrain(jnp.einsum("bsd,dhk->bshk", h, self.wv[...]), kv_axes)
+        return constrain(apply_rope(q, cos, sin), q_axes), constrain(apply_rope(k, cos, sin), kv_axes), v
 
     def attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array,
                   segment_ids: jax.Array | None = None) -> jax.Array:

@@ -47,13 +47,17 @@ def test_no_recompute_drops_one_stage_forward_per_backward(flops):
         assert fwd - last - 0.05 * fwd <= again[code] - stash[code] <= 1.05 * fwd, code
         # what is left is the backward: twice the forward's matmuls
         assert stash[code] == pytest.approx(2 * fwd, rel=0.1), code
-    # the last stage's forward was always folded into its backward
-    assert stash[B_LAST] == pytest.approx(again[B_LAST], rel=0.01)
+    # recomputing, the last stage's forward is folded into its backward; without, it runs on its
+    # own tick (F last, keeping its output) and the last backward holds none of it: the whole
+    # stage forward leaves B last (its last projection too: its output feeds the head)
+    assert 0.95 * fwd <= again[B_LAST] - stash[B_LAST] <= 1.05 * fwd
 
 
 def test_step_flops_drop_by_one_stage_forward_per_microbatch(flops):
-    """Summed over the timetable's ticks and devices: the step saves p - 1 stage forwards per
-    microbatch (every stage but the last, whose forward is its backward's)."""
+    """Summed over the timetable's backward ticks and devices: the step saves p - 1 stage
+    forwards per microbatch (every stage but the last), and the last stage's forward moves out of
+    its backward to its own F last tick (which this one-tick harness cannot cost: a forward's
+    outputs only fill buffers nobody reads, so XLA removes it)."""
     p, m = 4, 4
 
     def step(recompute):
@@ -61,7 +65,8 @@ def test_step_flops_drop_by_one_stage_forward_per_microbatch(flops):
         return sum(flops[recompute].get(int(c), 0.0) for c in tt.code.ravel())
 
     saved = m * (p - 1) * (flops[True][B_MID] - flops[False][B_MID])
-    assert step(True) - step(False) == pytest.approx(saved, rel=0.02)
+    moved = m * (flops[True][B_LAST] - flops[False][B_LAST])
+    assert step(True) - step(False) == pytest.approx(saved + moved, rel=0.02)
     assert saved >= 0.8 * m * (p - 1) * stage_forward_flops()
 
 

@@ -110,12 +110,14 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
     partitioner's gathers over `tensor` around them made 4x the all-gather bytes, 2x the
     reduce-scatter's). With sequence parallelism the reduce-scatters (XLA:CPU's: all-reduces of
     the whole activation, then a slice) within 2%, the all-gathers never above the HLO's and at
-    most 15% below (the HLO's rest: the embedding table, and wq and wk, which XLA gathers to
-    project the sequence-split tokens when q and k are resharded at RoPE); those all-to-alls are
-    not modelled (an artefact: see _rope_reshard_bytes), the HLO's at most that bound."""
+    most 5% below (the HLO's rest: the embedding table), and no all-to-all: the model lays q
+    and k out at their projections (constrained only after RoPE, XLA gathered wq and wk whole to
+    project sequence-split tokens and resharded q and k by all-to-alls, 4 a layer)."""
     cfg, _, _, _, comm, hlo = compiled[overrides]
     pred = comm["kinds"]
     tensor = cfg.mesh.tensor > 1
+    if cfg.sharding.sequence_parallel:
+        assert hlo.get("all-to-all", {}).get("ops", 0) == 0, hlo["all-to-all"]
     for kind, row in hlo.items():
         want = row["result_bytes"]
         got = pred.get(kind, {}).get("result_bytes", 0.0)
@@ -146,24 +148,10 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
         assert got == pytest.approx(want, rel=rel), (kind, got, want)
 
 
-def _rope_reshard_bytes(cfg) -> float:
-    """XLA's all-to-alls under sequence parallelism: q and k [tokens, heads / tensor, head_dim]
-    of each layer and forward pass, moved from the sequence split to the head split after RoPE.
-    An artefact of where the model constrains q and k (after RoPE, not after the projection):
-    with the constraint before RoPE the HLO has none, and no wq / wk gathers (docs/planner.md)."""
-    m, t = cfg.model, cfg.train
-    tokens = t.global_batch / (cfg.mesh.data * cfg.mesh.fsdp) * t.seq_len
-    heads = (m.n_heads + m.n_kv_heads) / cfg.mesh.tensor * (m.head_dim or m.dim // m.n_heads)
-    passes = 2 if t.remat == "full" else 1
-    return passes * m.n_layers * tokens * heads * 4  # float32 (the tests' compute dtype)
-
-
 def _check_sequence_parallel(cfg, kind: str, got: float, want: float) -> None:
     """Predicted (got) against the HLO's (want) bytes of one kind with sequence parallelism."""
-    if kind == "all-to-all":
-        assert got == 0 and want <= _rope_reshard_bytes(cfg), (kind, want, _rope_reshard_bytes(cfg))
-    elif kind == "all-gather":
-        assert 0.85 * want <= got <= want, (kind, got, want)
+    if kind == "all-gather":  # the HLO's rest: the embedding table, gathered once
+        assert 0.95 * want <= got <= want, (kind, got, want)
     else:
         assert got == pytest.approx(want, rel=0.02), (kind, got, want)
 
@@ -226,19 +214,23 @@ def test_megatron_weak_scaling_best_plans_fit_with_tensor_in_a_node(run):
     assert r["tensor_in_node"] and r["fits"], r
 
 
-def test_megatron_weak_scaling_large_row():
-    """76.1B on 1024 A100s: the planner's best plan (tensor in a node, fits) is predicted within
-    20% of the published throughput."""
-    r = check_run(WEAK_SCALING[5])
+@pytest.mark.parametrize("run", [WEAK_SCALING[2], WEAK_SCALING[5]], ids=lambda r: r.name)
+def test_megatron_weak_scaling_best_plans_within_20_percent(run):
+    """7.5B on 128 and 76.1B on 1024 A100s: the planner's best plan (tensor in a node, fits) is
+    predicted within 20% of the published throughput, times the gain the same team measured for
+    dropping full recomputation (published.NO_RECOMPUTE_GAIN) where the plan drops it. (1.7B and
+    3.6B are not: docs/planner.md.)"""
+    r = check_run(run)
     assert r["tensor_in_node"] and r["fits"], r
-    assert abs(r["best_tflops"] / r["published_tflops"] - 1) <= 0.20, r
+    assert abs(r["best_tflops"] / r["reference_tflops"] - 1) <= 0.20, r
 
 
 def test_dataflow_clock_is_megatrons_bubble():
     """The "dataflow" clock (Megatron-LM's runtime: each device's ops back to back as their
     inputs arrive, every stage running its own forward) gives 1F1B's (m + p - 1) x 3 forward
-    units and the interleaved schedule's 3m + 3(p - 1)/v; jaxpar's lockstep runner takes more
-    (the last stage's forward folded into its backward, a tick as long as its slowest device).
+    units and the interleaved schedule's 3m + 3(p - 1)/v; jaxpar's lockstep runner (a tick as
+    long as its slowest device) the same for 1F1B without recompute (the last stage's forward on
+    its own tick: folded into the backward it took 4 units a pair), more for interleaving.
     On a GPU the tensor-parallel backward has XLA:GPU's reassociated 2 all-reduces a layer."""
     from jaxpar.planner.comm import tp_backward_all_reduces
     from jaxpar.planner.layout import timetable
@@ -248,7 +240,9 @@ def test_dataflow_clock_is_megatrons_bubble():
         assert dataflow_time("interleaved_1f1b", p, m, 2) == pytest.approx(3 * m + 3 * (p - 1) / 2)
         assert dataflow_time("1f1b", p, m, 1, True) == pytest.approx(4 * (m + p - 1))
         assert dataflow_time("zb_h1", p, m, 1, False, 1.0) == pytest.approx(3 * m + p - 1)
-        assert timetable("1f1b", p, m, 1, False).lockstep_time() > dataflow_time("1f1b", p, m)
+        assert timetable("1f1b", p, m, 1, False).lockstep_time() == dataflow_time("1f1b", p, m)
+        assert timetable("interleaved_1f1b", p, m, 2, False).lockstep_time() > dataflow_time(
+            "interleaved_1f1b", p, m, 2)
     assert (tp_backward_all_reduces("gpu"), tp_backward_all_reduces("cpu")) == (2, 5)
 
 
@@ -398,9 +392,9 @@ def _predict(overrides: str, cluster, **updates):
 
 def test_search_ranks_zb_h1_before_1f1b_where_the_bubble_costs():
     """With a compute unit per device a pipeline's idle ticks cost time. At data=2 x pipeline=4
-    without remat zb_h1 (a third of 1f1b's bubble in lockstep ticks: (p-1)/(3m+p-1) against
-    2(p-1)/(m+2(p-1)), its W about half a backward) is predicted faster than 1f1b at the same m,
-    for the memory of the cotangents W waits for (and with p in flight, not 2p - 1). The same
+    without remat zb_h1 (a third of 1f1b's bubble in lockstep: p - 1 ticks of a third of a
+    1f1b op against 1f1b's 3(p - 1), its W about half a backward) has the smaller bubble at the
+    same m, for the memory of the cotangents W waits for (and with p in flight, not 2p - 1). The same
     under a remat policy (the split inlines the recomputing layer backward: W still runs the
     weight matmuls, timing.weight_share), where Bx keeps for W the matmul inputs it recomputed
     too (memory.W_RECOMPUTED)."""
@@ -415,7 +409,13 @@ def test_search_ranks_zb_h1_before_1f1b_where_the_bubble_costs():
     assert not any(s.layout.schedule == "zb_h1" and s.layout.recompute for s in result.ranked)
     for m in (4, 8):
         zb, one = by[("zb_h1", "none", False, m)], by[("1f1b", "none", False, m)]
-        assert zb.time.step_s < one.time.step_s and zb.time.bubble_s < 0.7 * one.time.bubble_s, m
+        assert zb.time.bubble_s < one.time.bubble_s, m
+        # faster where the bubble is largest; at m = 2p the smaller bubble (0.78 of 1f1b's in
+        # seconds: zb_h1's own critical path is longer) no longer pays for the traffic of the
+        # cotangents W waits for on this memory-bound cluster (cpu8's memory_gbps)
+        assert (zb.time.step_s < one.time.step_s) == (m == 4), (m, zb.time, one.time)
+        if m == 4:
+            assert zb.time.bubble_s < 0.7 * one.time.bubble_s
         assert zb.memory["w_kept"] > 0 and one.memory["w_kept"] == 0
         # the residuals of p microbatches in flight, 1f1b's up to 2p - 1 (equal at m = p)
         rest = zb.memory["total"] - zb.memory["w_kept"]
@@ -430,7 +430,7 @@ def test_search_ranks_zb_h1_before_1f1b_where_the_bubble_costs():
         zb, one = by[("zb_h1", remat, False, 4)], by[("1f1b", remat, False, 4)]
         assert weight_share(cfg, zb.layout) == weight_share(cfg, by[("zb_h1", "none", False, 4)].layout)
         assert pipeline_stretch(cfg, zb.layout, 4) < pipeline_stretch(cfg, one.layout, 4), remat
-        assert zb.time.bubble_s < 0.7 * one.time.bubble_s, remat
+        assert zb.time.bubble_s < one.time.bubble_s, remat
         assert zb.memory["w_kept"] > by[("zb_h1", "none", False, 4)].memory["w_kept"], remat
 
 

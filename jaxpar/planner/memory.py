@@ -51,10 +51,11 @@ from jaxpar.train.precision import DTYPES, has_masters
 ADAM_TRANSIENT = 1.0     # float32 copies of the optimizer shard Adam's update holds at once
 # pipeline.recompute false: one microbatch's stage residuals (the vjp's stashed leaves) a tick
 # holds besides the runner's ring buffer: the slot it reads (a dynamic slice), that slice's copy
-# as the tick's switch operand, the branches' zero residuals (a constant, live all the loop),
-# and what the tick's own forward keeps (a forward's new residuals, or the last stage's folded
-# forward's for its backward). Read off the compiled step's live buffers at its peak.
-STASH_TICK = 4
+# as the tick's switch operand, and the branches' zero residuals (a constant, live all the
+# loop); a forward's new residuals go to the ring. (4 while the last stage's forward was folded
+# into its backward, whose own residuals were live there: 80.6 -> 69.7 MiB compiled temp at
+# data 4 x pipeline 2, 2026-12-03.) Read off the compiled step's live buffers at its peak.
+STASH_TICK = 3
 # [tokens, D] stage-boundary buffers a tick holds besides the x and g ring buffers: the input
 # and cotangent slots it reads (two slices) and their copies as the switch's operands, and the
 # branches' zero activations.

@@ -18,8 +18,8 @@ fixed costs + pipeline bubble; on compute units shared by several devices, all d
   fixed     efficiency.layer_overhead_us per layer and microbatch (launches, loop steps),
             tick_overhead_us per pipeline tick (every device runs every tick)
   bubble    a pipeline's timetable (jaxpar/parallel/pipeline/schedule.py) in lockstep: its ticks
-            over the stage work 3m (idle ticks, the last stage's forward folded into its
-            backward, pipeline.recompute's second forward; zb_h1's Bx and W ticks at their own
+            over the stage work 3m (idle ticks, pipeline.recompute's second forward and the last
+            stage's forward folded into its backward there; zb_h1's Bx and W ticks at their own
             costs, weight_share), as a stretch of the critical path; with clock "dataflow"
             (Megatron-LM's runtime, not jaxpar's) the same orders run op by op as inputs arrive:
             1F1B's (p-1)/m bubble, the interleaved schedule's (p-1)/(v m)
@@ -65,7 +65,7 @@ def recompute_factor(layout: Layout) -> float:
 def pipeline_stretch(cfg, layout: Layout, microbatches: int, clock: str = "lockstep") -> float:
     """The pipeline's time over the stage work without bubble, folding or recompute, 3m (forward
     1, backward 2; zb_h1's split backward: W by weight_share, Bx the rest). clock "lockstep":
-    jaxpar's runner (its timetable's ticks, the last stage's forward folded into its backward);
+    jaxpar's runner (its timetable's ticks, each as long as its slowest device);
     "dataflow": the same schedule run as Megatron-LM runs it (dataflow_time)."""
     p = layout.size("pipeline")
     if p == 1:

@@ -15,7 +15,9 @@ One `lax.scan` over the ticks; each tick
      decides what they are) and its backward applies them; with recompute=true a backward
      recomputes its stage's forward from the stashed stage input (remat at the stage boundary).
      zb_h1 runs a vjp per layer and cuts each layer's backward into Bx and W (split.py).
-     The last stage's forward is folded into its backward, which also yields the loss;
+     Without recompute the last stage's forward runs on its own tick and keeps its output and
+     residuals; its backward starts at the head and the loss (which it yields). With recompute
+     the last stage's forward is folded into its backward;
   3. sends the forward output to the next stage and the input cotangent to the previous one,
      each a ppermute over only the (source, destination) pairs that have something to send on
      this tick (one static pattern per tick, picked by a lax.switch all devices agree on; a
@@ -235,6 +237,15 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             dl, dx = stage_grads(r, chunk(k), x, g, tok)
             return at, add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
 
+        def b_last_kept(at, al, loss, y, g, r, w, tok, k):
+            """The last stage's backward from its kept output and residuals (F last ran)."""
+            lk = chunk(k)
+            val, vjp, (lm, sown) = jax.vjp(lambda t, yi: post(t, lk, yi, tok), top, y, has_aux=True)
+            dt, dy = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
+            dl, dx = stage_grads(r, lk, None, jax.tree.map(lambda a: vary(a, manual), dy), tok)
+            loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
+            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
+
         def b_last(at, al, loss, x, g, r, w, tok, k):
             val, vjp, (lm, sown) = jax.vjp(lambda t, lk, xi: post(t, lk, body(t, lk, xi, tok), tok),
                                            top, chunk(k), x, has_aux=True)
@@ -269,8 +280,8 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return at, add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_r, zeros_w
 
         branches = {IDLE: idle, F_FIRST: f_first, F_MID: f_mid, B_FIRST: b_first, B_MID: b_mid,
-                    B_LAST: b_last, F_LAST: f_mid, BX_FIRST: bx_first, BX_MID: bx_mid,
-                    BX_LAST: bx_last, W: w_grads}
+                    B_LAST: b_last_kept if stash else b_last, F_LAST: f_mid, BX_FIRST: bx_first,
+                    BX_MID: bx_mid, BX_LAST: bx_last, W: w_grads}
         used = sorted(set(np.unique(tt.code).tolist()))
         remap = np.zeros(max(branches) + 1, np.int32)
         remap[used] = np.arange(len(used))
@@ -301,8 +312,9 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             xbuf = put(xbuf, x_recv, jnp.where(rx < 0, n_x, rx))
             gbuf = put(gbuf, g_recv, jnp.where(rg < 0, n_g, rg))
             rbuf = put(rbuf, r_out, jnp.where(rp < 0, n_r, rp))
-            if split:  # the last stage keeps its output for Bx; Bx keeps what W reads
+            if stash:  # the last stage keeps its output for its backward
                 xbuf = put(xbuf, y, jnp.where(yp < 0, n_x, yp))
+            if split:  # Bx keeps what W reads
                 wbuf = put(wbuf, w_out, jnp.where(wp < 0, n_w, wp))
             return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 

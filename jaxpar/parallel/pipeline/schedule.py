@@ -189,15 +189,16 @@ class Timetable:
         """Wall time of the runner's ticks in units of one device's whole forward (all its layers)
         of one microbatch, with a backward costing `backward` forwards. Ticks are lockstep (the
         ppermutes at their end), so each lasts as long as its slowest device; with `recompute`
-        a backward runs its forward again (+1); the last stage's forward is folded into its
-        backward (which costs forward + backward in either mode). A split backward's W costs
+        a backward runs its forward again (+1), and the last stage's forward is folded into its
+        backward (which then costs forward + backward); without, the last stage's forward runs
+        on its own tick (F last, on the forward row) like the others'. A split backward's W costs
         `weight` (None: `backward` / 2) and its Bx the rest, the last stage's Bx its head and
         loss too (not counted): uneven halves make every tick that mixes them last the longer."""
         f, b = forward / self.v, backward / self.v
         w = b / 2 if weight is None else weight / self.v
         rb = b + (f if self.recompute else 0.0)
         #                IDLE F_FIRST F_MID B_FIRST B_MID B_LAST F_LAST BX_FIRST BX_MID BX_LAST W
-        cost = np.array([0.0, f, f, rb, rb, f + b, f, b - w, b - w, b - w, w])
+        cost = np.array([0.0, f, f, rb, rb, rb, f, b - w, b - w, b - w, w])
         return float(cost[self.code].max(axis=1).sum())
 
     def render(self, width: int = 4) -> str:
@@ -291,13 +292,15 @@ def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
 
 
 def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool = False) -> Timetable:
-    """The table the runner executes. recompute=False: every forward but the last stage's
-    stashes its vjp residuals (r slots, from its forward to its backward) and a stage input is
-    kept only until its forward; recompute=True: the input is kept until the backward. A split
+    """The table the runner executes. recompute=False: every forward stashes its vjp residuals
+    (r slots, from its forward to its backward), a stage input is kept only until its forward,
+    and the last stage's forward runs on its own tick (F last), its output waiting in an x slot
+    (y_put) for the backward, which starts at the head and loss: in lockstep a backward row
+    then costs a backward, not a forward and a backward. recompute=True: the input is kept until
+    the backward, which recomputes the forward (the last stage's included: no F last). A split
     schedule keeps residuals until W (which reads the weight matmuls' inputs among them), and its
     B (Bx) keeps what W reads of what it computed (per layer: the weight matmuls' output
-    cotangents) in a w slot (w_put) until W; its last stage's forward runs on its own tick, the
-    output waiting in an x slot (y_put) for B."""
+    cotangents) in a w slot (w_put) until W."""
     check_schedule(schedule, p, m, v, recompute=recompute)
     split = schedule in SPLIT
     grid = simulate(device_orders(schedule, p, m, v), p, v, schedule in ALTERNATE)
@@ -320,7 +323,7 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool =
     # this stage's forward, and its backward when that recomputes), cotangents (arrive with the
     # next stage's backward, read by this stage's backward), residuals (a forward's, for the
     # backward, split: and W) and, split, what B keeps for W.
-    last_kept = split  # the last stage's forward has its own tick
+    last_kept = not recompute  # the last stage's forward has its own tick (zb_h1: always)
     grad_op = "W" if split else "B"
     xs: list[list] = [[] for _ in range(p)]
     gs: list[list] = [[] for _ in range(p)]
@@ -369,7 +372,7 @@ def build_timetable(schedule: str, p: int, m: int, v: int = 1, recompute: bool =
                     tt.r_put[t, d] = r_alloc[d][(op.mb, g)]
                 if last and last_kept:
                     tt.y_put[t, d] = x_alloc[d][("y", op.mb)]
-                # The last stage's forward is folded into its backward (but in a split schedule).
+                # With recompute the last stage's forward is folded into its backward.
                 tt.code[t, d] = (F_FIRST if g == 0 else (F_LAST if last_kept else IDLE) if last
                                  else F_MID)
                 continue
