@@ -67,6 +67,11 @@ WEAK_SCALING = [
 ]
 
 
+def recomputes(layout) -> bool:
+    """Whether a plan runs every forward twice: remat full, or a pipeline stage's recompute."""
+    return layout.remat == "full" or (layout.size("pipeline") > 1 and layout.recompute)
+
+
 def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8", free: bool = True) -> dict:
     """For one row: the cost model's FLOP/s per GPU for the paper's own layout (its tensor and
     pipeline sizes, data parallel over the rest, full recomputation, no optimizer sharding; the
@@ -109,6 +114,6 @@ def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8", free: bool = True
         out.update(plan=lay.label(), tensor=lay.size("tensor"),
                    tensor_in_node=lay.size("tensor") <= cluster.devices_per_host and "tensor" not in lay.dcn,
                    memory_gib=best.memory["total"] / 2**30, fits=best.memory["total"] <= cluster.memory_bytes,
-                   best_tflops=tflops(best), best_recomputes=lay.remat == "full",
-                   reference_tflops=run.tflops_per_gpu * (1.0 if lay.remat == "full" else NO_RECOMPUTE_GAIN))
+                   best_tflops=tflops(best), best_recomputes=recomputes(lay),
+                   reference_tflops=run.tflops_per_gpu * (1.0 if recomputes(lay) else NO_RECOMPUTE_GAIN))
     return out
