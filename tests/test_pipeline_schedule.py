@@ -24,9 +24,13 @@ def test_formulas():
     assert idle_formula("zb_h1", 4, 8) == pytest.approx(3 / 27)
     assert idle_formula("gpipe", 4, 8) == pytest.approx(3 / 11)
     assert idle_formula("1f1b", 4, 8) == pytest.approx(6 / 14)  # rows: half of each tick idles
-    # bubble / compute = (p-1)/m for 1f1b, divided by v interleaved
-    f = idle_formula("interleaved_1f1b", 4, 8, 2)
-    assert f / (1 - f) == pytest.approx((3 / 8) / 2)
+    # rows alternate like 1f1b's (whose formula it is at v = 1): ((v+1)p - 2) / (vm + (v+1)p - 2)
+    assert idle_formula("interleaved_1f1b", 4, 8, 2) == pytest.approx(10 / 26)
+    assert idle_formula("interleaved_1f1b", 4, 8, 1) == idle_formula("1f1b", 4, 8)
+    # in time: bubble / compute = (p-1)/m for 1f1b, divided by v interleaved (dataflow's, in
+    # lockstep without recompute)
+    t = build_timetable("interleaved_1f1b", 4, 8, 2).lockstep_time()
+    assert t / (3 * 8) - 1 == pytest.approx((3 / 8) / 2)
 
 
 @pytest.mark.parametrize("m", [4, 8, 16])
@@ -210,7 +214,8 @@ def test_lockstep_time(recompute):
     """GPipe's ticks are all-forward or all-backward; 1f1b's rows alternate the two, so neither
     pays a backward on a tick that another device spends on a forward: 1f1b <= gpipe for every
     p and m (equal: the same rows of work, in another order); zb_h1 (its ideal split, B and W
-    one forward each) better. (interleaved_1f1b still mixes them: docs/benchmarks.md.)"""
+    one forward each) better; interleaved_1f1b's rows alternate too: 3m + 3(p-1)/v without
+    recompute, below 1f1b's 3(m + p - 1)."""
     for p in (2, 4, 8):
         for m in range(p, 4 * p + 1):
             gp = build_timetable("gpipe", p, m, recompute=recompute).lockstep_time()
@@ -219,6 +224,9 @@ def test_lockstep_time(recompute):
             if not recompute:
                 zb = build_timetable("zb_h1", p, m).lockstep_time()
                 assert zb == 3 * m + p - 1 and zb < one
+                if m % p == 0:
+                    il = build_timetable("interleaved_1f1b", p, m, 2).lockstep_time()
+                    assert il == pytest.approx(3 * m + 3 * (p - 1) / 2) and il < one
     p, m = 4, 8
     gp = build_timetable("gpipe", p, m, recompute=True)
     assert gp.lockstep_time() == pytest.approx((m + p - 1) * 1 + (m + p - 1) * 3 - 1)  # last F folded
