@@ -197,7 +197,10 @@ def test_lost_node_shrinks_the_run_and_a_returning_node_grows_it_back(cluster, w
     rc, lines = drive(cluster, work, run, "--min-nodes", "1", on_line=act)
     out = text(lines)
     assert rc == 0, out
-    assert "[ray] node of rank 1 lost (Ray reports its actor dead); killing ranks 0" in out, out
+    # the launcher learns of the loss from Ray (then kills rank 0), or rank 0 dies first when its
+    # collective's peer vanishes (gloo aborts): either way rank 1's node is named lost
+    assert ("[ray] node of rank 1 lost (Ray reports its actor dead); killing ranks 0" in out
+            or re.search(r"^\[ray\] group ended \(node_lost\):.*rank 1 node lost", out, re.M)), out
     assert re.search(r"^\[ray\] group ended \(node_lost\)", out, re.M), out
     # shrunk: 1 node x 4 devices, from the latest checkpoint there was (no later step lost)
     resumed = [int(s) for s in re.findall(r"^\[0\]\s+resumed from\b.*checkpoints/\d+ \(step (\d+)", out, re.M)]

@@ -237,13 +237,19 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             dl, dx = stage_grads(r, chunk(k), x, g, tok)
             return at, add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
 
+        def head_grads(loss, lk, y, tok):
+            """The head and loss's backward from the last stage's kept output: (loss plus this
+            microbatch's, top grads, output cotangent)."""
+            val, vjp, (lm, sown) = jax.vjp(lambda t, yi: post(t, lk, yi, tok), top, y, has_aux=True)
+            dt, dy = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
+            loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
+            return loss, dt, jax.tree.map(lambda a: vary(a, manual), dy)
+
         def b_last_kept(at, al, loss, y, g, r, w, tok, k):
             """The last stage's backward from its kept output and residuals (F last ran)."""
             lk = chunk(k)
-            val, vjp, (lm, sown) = jax.vjp(lambda t, yi: post(t, lk, yi, tok), top, y, has_aux=True)
-            dt, dy = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
-            dl, dx = stage_grads(r, lk, None, jax.tree.map(lambda a: vary(a, manual), dy), tok)
-            loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
+            loss, dt, dy = head_grads(loss, lk, y, tok)
+            dl, dx = stage_grads(r, lk, None, dy, tok)
             return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
 
         def b_last(at, al, loss, x, g, r, w, tok, k):
@@ -268,10 +274,8 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
 
         def bx_last(at, al, loss, y, g, r, w, tok, k):
             lk = chunk(k)
-            val, vjp, (lm, sown) = jax.vjp(lambda t, yi: post(t, lk, yi, tok), top, y, has_aux=True)
-            dt, dy = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
-            dx, w_out = input_half(r, lk, jax.tree.map(lambda a: vary(a, manual), dy))
-            loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
+            loss, dt, dy = head_grads(loss, lk, y, tok)
+            dx, w_out = input_half(r, lk, dy)
             return add_top(at, dt), al, loss, zeros_x, dx, zeros_r, w_out
 
         def w_grads(at, al, loss, x, g, r, w, tok, k):
