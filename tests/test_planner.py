@@ -312,6 +312,28 @@ def test_plan_cli(capsys):
     assert "--layout 'mesh.cores' is not a layout setting" in capsys.readouterr().err
 
 
+def test_pinned_options_are_scored_even_where_the_search_would_not_try_them(capsys):
+    """--layout pins replace the searched range: one device's own config (ZeRO-1 with fsdp 1,
+    the dots_with_no_batch_dims_saveable policy: configs/llama_1b.yaml) is scored, not filtered
+    away to "0 layouts considered" with no reason; fixed sizes no mesh has say so; a bad pinned
+    value is one error naming the valid ones."""
+    pin = ["--layout", "sharding.zero_stage=1 train.remat=dots_with_no_batch_dims_saveable train.grad_accum=1"]
+    assert main(["plan", "configs/llama_1b.yaml", "--cluster", "h200_x8", "--devices", "1", "--json", *pin]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["considered"] == 1 and out["valid"] == 1, out
+    assert "zero=1 remat=dots_with_no_batch_dims_saveable accum=1" in out["best"][0]["layout"], out["best"]
+    # pins hold on every mesh of 8 devices too: nothing scored has another remat or stage
+    assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--json", "--top", "50",
+                 "--layout", "train.remat=dots_with_no_batch_dims_saveable sharding.zero_stage=2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"] and all("zero=2 remat=dots_with_no_batch_dims_saveable" in b["layout"]
+                               for b in out["best"])
+    assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--layout", "mesh.tensor=3"]) == 1
+    assert "no layout to consider: no mesh of 8 devices has the fixed sizes mesh.tensor=3" in capsys.readouterr().out
+    assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--layout", "train.remat=dots"]) == 2
+    assert "--layout train.remat='dots': valid values are none, full, dots_saveable" in capsys.readouterr().err
+
+
 def test_mesh_auto_trains_like_the_layout_it_chose():
     overrides = ["train.steps=3", "train.log_every=1", "checkpoint.enabled=false", "train.progress=false",
                  "eval.every=0", "data.eval_fraction=0", "data.source=synthetic"]

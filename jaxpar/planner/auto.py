@@ -71,8 +71,8 @@ def resolve_auto(cfg: Config, n_devices: int | None = None, model_factory: Calla
     model = ModelDef.from_factory(model_factory or llama_model_factory(base))
     result = search(base, cluster, model, fixed=fixed, options_fixed=keep)
     if not result.ranked:
-        reasons = "\n  ".join(f"{len(v)} x {r.splitlines()[0]}" for r, v in
-                              sorted(result.rejected.items(), key=lambda kv: -len(kv[1]))[:5])
+        reasons = result.note or "\n  ".join(f"{len(v)} x {r.splitlines()[0]}" for r, v in
+                                              sorted(result.rejected.items(), key=lambda kv: -len(kv[1]))[:5])
         raise ConfigError(f"{', '.join(auto)}: auto: no valid layout of this model on {n} devices "
                           f"({cluster.name}); the most common reasons:\n  {reasons}")
     best = result.ranked[0]

@@ -44,11 +44,24 @@ def parse_layout(items: list[str]) -> tuple[dict[str, int], dict]:
                     raise ConfigError(f"--layout {key}={raw!r}: a mesh size must be a positive integer")
                 mesh[key[5:]] = value
             elif key in LAYOUT_KEYS:
-                opts[LAYOUT_KEYS[key]] = value
+                opts[LAYOUT_KEYS[key]] = _layout_value(key, raw, value)
             else:
                 valid = [f"mesh.{a}" for a in MESH_AXES] + list(LAYOUT_KEYS)
                 raise ConfigError(f"--layout {key!r} is not a layout setting; valid: {', '.join(valid)}")
     return mesh, opts
+
+
+def _layout_value(key: str, raw: str, value):
+    """A pinned step option, checked (one clear error naming what would be valid)."""
+    from jaxpar.config import REMAT_POLICIES
+    from jaxpar.parallel.pipeline.schedule import SCHEDULES
+    valid = {"sharding.zero_stage": (0, 1, 2, 3), "train.remat": REMAT_POLICIES,
+             "pipeline.schedule": SCHEDULES}.get(key)
+    if valid is not None and value not in valid:
+        raise ConfigError(f"--layout {key}={raw!r}: valid values are {', '.join(map(str, valid))}")
+    if valid is None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"--layout {key}={raw!r}: must be a positive integer")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ def _row(s: Scored) -> dict:
 
 def to_json(result: Result, top: int, explain: bool = False) -> dict:
     best = result.ranked[:top]
-    out = {"considered": result.considered, "valid": len(result.ranked),
+    out = {"considered": result.considered, "valid": len(result.ranked), "note": result.note,
            "best": [{**_row(s), **({"lost": why_slower(best[0], s)} if i else {})}
                     for i, s in enumerate(best)],
            "rejected": {reason: {"count": len(v), "examples": [x.label() for x in v[:3]]}
@@ -35,7 +35,9 @@ def explain_terms(s: Scored) -> dict:
 def format_result(result: Result, top: int, cluster_name: str, explain: bool = False) -> str:
     lines = [f"jaxpar plan on {cluster_name}: {result.considered} layouts considered, "
              f"{len(result.ranked)} valid"]
-    if not result.ranked:
+    if result.note:
+        lines.append(f"no layout to consider: {result.note}")
+    elif not result.ranked:
         lines.append("no valid layout: see the reasons below")
     best = result.ranked[:top]
     for i, s in enumerate(best):

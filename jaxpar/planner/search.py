@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxpar.config import MESH_AXES, Config, ConfigError
-from jaxpar.parallel.pipeline.schedule import SPLIT
+from jaxpar.parallel.pipeline.schedule import SCHEDULES, SPLIT
 from jaxpar.planner.cluster import Cluster
 from jaxpar.planner.comm import step_collectives
 from jaxpar.planner.layout import Layout, abstract_plan
@@ -18,10 +18,11 @@ from jaxpar.sharding import check_replication
 from jaxpar.train.layout_checks import check_layout
 from jaxpar.train.precision import DTYPES
 
-REMATS = ("none", "dots_saveable", "full")
-# zb_h1 only without pipeline.recompute (its split backward reads the forward's residuals): its
-# bubble is a third of 1f1b's, paid for with the cotangents Bx keeps for W (memory.w_kept_bytes)
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+REMATS = ("none", "dots_saveable", "full")  # searched; --layout may pin any of config.REMAT_POLICIES
+# every schedule is searched; zb_h1 only without pipeline.recompute (its split backward reads the
+# forward's residuals): its bubble is a third of 1f1b's, paid for with the cotangents Bx keeps
+# for W (memory.w_kept_bytes)
+PIPELINE_OPTIONS = ("schedule", "virtual_stages")
 MAX_MICROBATCHES = 512
 # mesh.context is searched from this sequence length on (or when --layout fixes it): below it the
 # activations it divides are small next to the weights, and its collectives run every layer
@@ -51,6 +52,7 @@ class Result:
     ranked: list[Scored]
     rejected: dict[str, list[Layout]] = field(default_factory=dict)  # reason -> the layouts it rejects
     considered: int = 0
+    note: str = ""  # why nothing was considered (the fixed mesh sizes fit no mesh of the devices)
 
 
 def divisors(n: int) -> list[int]:
@@ -118,22 +120,33 @@ def _flat(model) -> dict:
     return {k: (axes[k], shapes[k]) for k in axes}
 
 
-def options(cfg: Config, mesh: dict[str, int]):
-    """The step options to try on one mesh: ZeRO stage, remat, accumulation, schedule."""
+def options(cfg: Config, mesh: dict[str, int], pin: dict | None = None):
+    """The step options to try on one mesh: ZeRO stage, remat, accumulation, schedule. `pin`:
+    options the user fixed (--layout); they replace the searched range, so a value the search
+    would not try (ZeRO-1 without an fsdp axis, as one device's config has it, or the
+    dots_with_no_batch_dims_saveable policy) is still scored. Pinned pipeline options skip
+    meshes without a pipeline."""
+    pin = pin or {}
     m, t = cfg.model, cfg.train
     dp = math.prod(mesh.get(a, 1) for a in cfg.sharding.resolved_rules().get("batch", ()))
     stages = (1, 2, 3) if mesh.get("fsdp", 1) > 1 else (0,)
     per_replica = t.global_batch // dp if t.global_batch % dp == 0 else 1
     accums = [a for a in divisors(per_replica) if a <= MAX_MICROBATCHES] or [1]
+    stages = (pin["zero_stage"],) if "zero_stage" in pin else stages
+    remats = (pin["remat"],) if "remat" in pin else REMATS
+    accums = [pin["grad_accum"]] if "grad_accum" in pin else accums
+    schedules = (pin["schedule"],) if "schedule" in pin else SCHEDULES
     p = mesh.get("pipeline", 1)
+    if p == 1 and any(k in pin for k in PIPELINE_OPTIONS):
+        return
     for zero in stages:
-        for remat in REMATS:
+        for remat in remats:
             for accum in accums:
                 if p == 1:
                     yield dict(zero_stage=zero, remat=remat, grad_accum=accum)
                     continue
-                for sched in SCHEDULES:
-                    v = 2 if sched == "interleaved_1f1b" else 1
+                for sched in schedules:
+                    v = pin.get("virtual_stages", 2 if sched == "interleaved_1f1b" else 1)
                     if v > 1 and m.n_layers % (p * v):
                         continue
                     for recompute in (False,) if sched in SPLIT else (False, True):
@@ -167,10 +180,7 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
             result.rejected.setdefault(reason, []).append(family)
             result.considered += 1
             continue
-        for opt in options(cfg, mesh):
-            if options_fixed and any(opt.get(k, getattr(Layout, k, None)) != v
-                                     for k, v in options_fixed.items()):
-                continue
+        for opt in options(cfg, mesh, options_fixed):
             layout = Layout(mesh, dcn=dcn, **opt)
             result.considered += 1
             reason = check(cfg, layout, model, cluster.platform, check_cache)
@@ -190,6 +200,11 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
                                     cluster.platform, clock)
             result.ranked.append(Scored(layout, mem, comm, step_time(cfg, layout, model, cluster, comm,
                                                                    state_cache[key], clock)))
+    if not result.considered:
+        sizes = " ".join(f"mesh.{a}={n}" for a, n in (fixed or {}).items()) or "(none)"
+        piped = any(k in (options_fixed or {}) for k in PIPELINE_OPTIONS)
+        result.note = (f"no mesh of {cluster.devices} devices has the fixed sizes {sizes}"
+                       + (" and a pipeline axis above 1 (pipeline options are fixed)" if piped else ""))
     result.ranked.sort(key=lambda s: (s.time.step_s, s.memory["total"]))
     return result
 
