@@ -27,14 +27,15 @@ BASE = {"model": {"preset": "tiny", "n_layers": 4, "dim": 128, "n_heads": 8, "n_
         "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}}
 TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups replicate the rest
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
-# policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16), context: 25
-# layouts, one compile each
+# policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16; beside sequence
+# parallelism), context: 26 layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
     "mesh.data=2 mesh.tensor=4",
     "mesh.data=4 mesh.tensor=2 sharding.sequence_parallel=true",
     "mesh.data=4 mesh.tensor=2 sharding.sequence_parallel=true train.remat=full",
+    "mesh.data=4 mesh.tensor=2 sharding.sequence_parallel=true train.remat=dots_saveable",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=1",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2 train.grad_accum=2",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3",

@@ -33,7 +33,7 @@ per-token terms count those; the batch term whole rows (the loader does not spli
 Per token and layer (compute dtype bytes c, D model dim, hd head dim, H and K query and KV
 heads, F the MLP width, t = mesh.tensor, S the sequence length; tensor-parallel parts / t):
     see KEPT: elements of each kind kept per token and layer, measured on XLA:CPU
-D-sized terms are / t as well with sharding.sequence_parallel.
+D-sized terms are / t as well with sharding.sequence_parallel (as many as without it).
 """
 from __future__ import annotations
 
@@ -137,8 +137,11 @@ def attention_impl(cfg: Config) -> str:
 
 
 # Measured on XLA:CPU (jax 0.12, f32, tests/test_planner.py's layouts) per token and layer:
-# elements kept of each kind. Tensor parallelism without sequence parallelism materialises
-# more full-width [tokens, D] tensors (the all-reduced outputs, their float32 norms).
+# elements kept of each kind. Tensor parallelism materialises more [tokens, D] tensors (the
+# all-reduced outputs, their float32 norms): full-width, or split over the sequence with
+# sequence parallelism (d_tp of them either way: the layer scan's carry at data 4 x tensor 2
+# keeps 6 [tokens / t, D] leaves a layer with remat none and 2 with dots_saveable, the layer
+# vjp's D-sized leaves as STASHED counts them, where KEPT's t = 1 counts are 1 and 0).
 KEPT = {
     "none": {"d": 1.0, "d_tp": 8.0, "heads": 3.0, "mlp": 6.0, "scores": 2.3},
     "dots_saveable": {"d": 0.0, "d_tp": 2.0, "heads": 1.0, "mlp": 2.0, "scores": 1.0},
@@ -172,7 +175,7 @@ def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, 
     STASHED: what a pipeline stage's vjp stashes."""
     k = table[remat]
     d = ms.dim / t if sequence_parallel else ms.dim
-    d_copies = k["d"] if t == 1 or sequence_parallel else k["d_tp"]
+    d_copies = k["d"] if t == 1 else k["d_tp"]
     heads = (ms.heads + ms.kv_heads) * ms.head_dim / t
     scores = ms.heads * seq / t if xla_attention else 0.0  # float32 [heads, keys] per query token
     return c * (d_copies * d + k["heads"] * heads + k["mlp"] * ms.ffn / t) + 4 * k["scores"] * scores
