@@ -27,14 +27,15 @@ BASE = {"model": {"preset": "tiny", "n_layers": 4, "dim": 128, "n_heads": 8, "n_
         "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}}
 TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups replicate the rest
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
-# policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16), context: 24
-# layouts, one compile each
+# policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16; beside sequence
+# parallelism), context: 26 layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
     "mesh.data=2 mesh.tensor=4",
     "mesh.data=4 mesh.tensor=2 sharding.sequence_parallel=true",
     "mesh.data=4 mesh.tensor=2 sharding.sequence_parallel=true train.remat=full",
+    "mesh.data=4 mesh.tensor=2 sharding.sequence_parallel=true train.remat=dots_saveable",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=1",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2 train.grad_accum=2",
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3",
@@ -47,6 +48,9 @@ LAYOUTS = [
     # pipelines under a remat policy: the stashed vjp leaves, the layer each backward recomputes
     f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 train.remat=full {TOL}",
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=zb_h1 train.remat=dots_saveable {TOL}",
+    # zb_h1 under remat full: what Bx keeps for W is most of the step, the tick's slot read and
+    # Bx's new slot beside the ring (memory.W_TICK); two layers a stage (Bx's layer scan kept)
+    f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.schedule=zb_h1 train.remat=full {TOL}",
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe pipeline.recompute=true "
     f"train.remat=full {TOL}",
     # pipelines beside tensor parallelism, and in bf16: the stash's D-sized leaves stay full-width

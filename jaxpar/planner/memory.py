@@ -22,7 +22,8 @@
     boundary    a pipeline's [tokens, D] stage-boundary buffers: the x and g rings (their
                 timetable slots and spare ones) and a tick's reads, copies and zeros of them
     w_kept      zb_h1: per layer and microbatch between its Bx and its W, what W reads that Bx
-                computed (w_kept_bytes), in the timetable's w slots (d + 1 on device d)
+                computed (w_kept_bytes), in the timetable's w slots (d + 1 on device d) and the
+                ring's spare one; a tick's W_TICK more (the slot it reads, Bx's new one)
     logits      float32 [tokens, vocab / tensor] logits, their softmax and gradient
                 (train.loss_chunk: only a chunk's)
 
@@ -32,7 +33,7 @@ per-token terms count those; the batch term whole rows (the loader does not spli
 Per token and layer (compute dtype bytes c, D model dim, hd head dim, H and K query and KV
 heads, F the MLP width, t = mesh.tensor, S the sequence length; tensor-parallel parts / t):
     see KEPT: elements of each kind kept per token and layer, measured on XLA:CPU
-D-sized terms are / t as well with sharding.sequence_parallel.
+D-sized terms are / t as well with sharding.sequence_parallel (as many as without it).
 """
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ STASH_TICK = 3
 # and cotangent slots it reads (two slices) and their copies as the switch's operands, and the
 # branches' zero activations.
 BOUNDARY_TICK = 5
+# zb_h1: slots of what Bx keeps for W that a tick holds besides the runner's w ring buffer: the
+# slot it reads (a dynamic slice made before the tick's switch and live through every branch,
+# though only W reads it) and Bx's new one (its layer scan's stacked outputs, filed into the ring
+# after the switch); the branches' zeros are one broadcast per distinct leaf shape, left out.
+# Read off the compiled step's live buffers at its peak, a Bx tick (data 4 x pipeline 2, remat
+# full, 2026-12-03: the ring 3 slots of 5.75 MiB, the slot read 5.75, Bx's new one 5.75).
+W_TICK = 2
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
 
@@ -129,8 +137,11 @@ def attention_impl(cfg: Config) -> str:
 
 
 # Measured on XLA:CPU (jax 0.12, f32, tests/test_planner.py's layouts) per token and layer:
-# elements kept of each kind. Tensor parallelism without sequence parallelism materialises
-# more full-width [tokens, D] tensors (the all-reduced outputs, their float32 norms).
+# elements kept of each kind. Tensor parallelism materialises more [tokens, D] tensors (the
+# all-reduced outputs, their float32 norms): full-width, or split over the sequence with
+# sequence parallelism (d_tp of them either way: the layer scan's carry at data 4 x tensor 2
+# keeps 6 [tokens / t, D] leaves a layer with remat none and 2 with dots_saveable, the layer
+# vjp's D-sized leaves as STASHED counts them, where KEPT's t = 1 counts are 1 and 0).
 KEPT = {
     "none": {"d": 1.0, "d_tp": 8.0, "heads": 3.0, "mlp": 6.0, "scores": 2.3},
     "dots_saveable": {"d": 0.0, "d_tp": 2.0, "heads": 1.0, "mlp": 2.0, "scores": 1.0},
@@ -164,7 +175,7 @@ def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, 
     STASHED: what a pipeline stage's vjp stashes."""
     k = table[remat]
     d = ms.dim / t if sequence_parallel else ms.dim
-    d_copies = k["d"] if t == 1 or sequence_parallel else k["d_tp"]
+    d_copies = k["d"] if t == 1 else k["d_tp"]
     heads = (ms.heads + ms.kv_heads) * ms.head_dim / t
     scores = ms.heads * seq / t if xla_attention else 0.0  # float32 [heads, keys] per query token
     return c * (d_copies * d + k["heads"] * heads + k["mlp"] * ms.ffn / t) + 4 * k["scores"] * scores
@@ -303,8 +314,9 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
             out["working"] += tokens * stashed
         # the stage-boundary ring buffers (inputs, cotangents) and a tick's other [tokens, D]s
         out["boundary"] = boundary * tokens * ms.dim * c
-        if tt.n_w_slots:  # the runner's ring buffer: the timetable's w slots and one for nobody
-            out["w_kept"] = (tt.n_w_slots + 1) * tokens * layers * w_kept_bytes(cfg, layout)
+        if tt.n_w_slots:  # the runner's ring buffer (the timetable's w slots and one for nobody)
+            # and a tick's W_TICK more (its slot read, Bx's new one)
+            out["w_kept"] = (tt.n_w_slots + 1 + W_TICK) * tokens * layers * w_kept_bytes(cfg, layout)
     else:
         out["activations"] = tokens * layers * kept
         out["working"] = WORKING * tokens * full if layout.remat != "none" else 0.0
