@@ -21,6 +21,9 @@
 #                    15 MB (~10 s; cap 60 s)
 #   5. cluster_gpu.yaml  issue 17: `jaxpar plan calibrate`: bf16 / fp32 matmul TFLOP/s, HBM GB/s
 #                    (memory_gbps), loop and tick overhead, memory per device (~30 s; cap 90 s)
+#   5b. plan_fit.txt issue 17: `jaxpar plan fit` of part 3's run on that calibrated description:
+#                    the planner's predicted step against the measured one, and the constants
+#                    refitted (~15 s; cap 60 s)
 #   6. tests.txt     cuDNN attention on packed segments (bf16) vs the float64 reference, on the GPU
 #                    (~40 s; cap 90 s); then the not-slow test subset on 8 forced CPU devices, as in
 #                    CI, with whatever is left of the budget (interrupted when it runs out)
@@ -35,7 +38,8 @@ BUDGET=${GPU_CHECK_BUDGET:-480}
 START=$SECONDS
 RUNS=/tmp/gpu_check_runs
 rm -rf "$RUNS" /tmp/gpu_check_tests.log /tmp/gpu_check_calibrate.log
-for f in env.txt attention.txt train_1b.txt profile.txt profile_trace.json.gz cluster_gpu.yaml tests.txt; do
+for f in env.txt attention.txt train_1b.txt profile.txt profile_trace.json.gz cluster_gpu.yaml plan_fit.txt \
+    tests.txt; do
   rm -f "${OUT:?}/$f"  # a second run on the same machine starts clean (parts append to their files)
 done
 export PYTHONUNBUFFERED=1
@@ -127,6 +131,12 @@ else
   # 5. issue 17: a cluster description of this GPU
   part calibrate 90 /tmp/gpu_check_calibrate.log env JAX_PLATFORMS=$GPU \
     "$PY" -m jaxpar.cli plan calibrate -o "$OUT/cluster_gpu.yaml"
+
+  # 5b. issue 17: the planner's prediction for part 3's run on this GPU, against its measured step
+  if [ -f "$OUT/cluster_gpu.yaml" ] && [ -f "$RUNS/$RUN_NAME/metrics.jsonl" ]; then
+    part plan-fit 60 "$OUT/plan_fit.txt" env JAX_PLATFORMS=$GPU \
+      "$PY" -m jaxpar.cli plan fit "$RUNS/$RUN_NAME" --cluster "$OUT/cluster_gpu.yaml"
+  fi
 
   # 6a. cuDNN attention on packed segments (bf16) vs the float64 reference: runs only on the GPU
   echo "--- cuDNN attention on packed segments (GPU)" >>"$OUT/tests.txt"
