@@ -328,8 +328,8 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             rbuf = put(rbuf, r_out, jnp.where(rp < 0, n_r, rp))
             if stash:  # the last stage keeps its output for its backward
                 xbuf = put(xbuf, y, jnp.where(yp < 0, n_x, yp))
-            if split:  # Bx keeps what W reads
-                wbuf = put(wbuf, w_out, jnp.where(wp < 0, n_w, wp))
+            if split:  # Bx keeps what W reads (no other tick writes: the ring has no spare slot)
+                wbuf = jax.lax.cond(wp >= 0, lambda b, a: put(b, a, wp), lambda b, a: b, wbuf, w_out)
             return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 
         acc_top = jax.eval_shape(lambda: scatter(top, {n: flat_specs[n] for n in top}))
@@ -342,7 +342,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
         loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
         rbuf = [jnp.zeros((n_r + 1, *s.shape), s.dtype) for s in r_sds]
-        wbuf = [jnp.zeros((n_w + 1, *s.shape), s.dtype) for s in w_sds]
+        wbuf = [jnp.zeros((n_w, *s.shape), s.dtype) for s in w_sds]
         carry = jax.tree.map(lambda a: vary(a, manual),
                              (acc_top, acc_lay, loss0, buf(n_x), buf(n_g), rbuf, wbuf))
         (acc_top, acc_lay, (loss, sown), *_), _ = jax.lax.scan(tick, carry, table)
