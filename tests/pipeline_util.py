@@ -56,8 +56,8 @@ def branch_flops(overrides, devices, codes) -> dict[int, float]:
     real = pipeline.build_timetable
     weight_half = LayerSplit.weight_half
 
-    def opaque_weight_half(self, kept, w, lk, top):
-        return weight_half(self, *jax.lax.optimization_barrier((kept, w)), lk, top)
+    def opaque_weight_half(self, kept, ring, slot, lk, top):
+        return weight_half(self, *jax.lax.optimization_barrier((kept, ring)), slot, lk, top)
 
     def one_tick(code):
         def build(*args):

@@ -12,7 +12,7 @@ from jaxpar.metrics import compiled_memory
 from jaxpar.planner.cluster import load_cluster, presets
 from jaxpar.planner.comm import step_collectives
 from jaxpar.planner.layout import Layout, abstract_plan
-from jaxpar.planner.memory import estimate
+from jaxpar.planner.memory import estimate, w_kept_bytes
 from jaxpar.planner.published import WEAK_SCALING, check_run
 from jaxpar.planner.search import CONTEXT_MIN_SEQ, HEADROOM, search
 from jaxpar.train.builtin import llama_model_factory
@@ -26,6 +26,7 @@ BASE = {"model": {"preset": "tiny", "n_layers": 4, "dim": 128, "n_heads": 8, "n_
         "train": {"global_batch": 16, "seq_len": 128, "compute_dtype": "float32", "progress": False},
         "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}}
 TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups replicate the rest
+ZB_FULL = f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.schedule=zb_h1 train.remat=full {TOL}"
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
 # policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16; beside sequence
 # parallelism), context: 26 layouts, one compile each
@@ -48,9 +49,9 @@ LAYOUTS = [
     # pipelines under a remat policy: the stashed vjp leaves, the layer each backward recomputes
     f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 train.remat=full {TOL}",
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=zb_h1 train.remat=dots_saveable {TOL}",
-    # zb_h1 under remat full: what Bx keeps for W is most of the step, the tick's slot read and
-    # Bx's new slot beside the ring (memory.W_TICK); two layers a stage (Bx's layer scan kept)
-    f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.schedule=zb_h1 train.remat=full {TOL}",
+    # zb_h1 under remat full: what Bx keeps for W is most of the step, Bx's new slot beside the
+    # ring (memory.W_TICK); two layers a stage (Bx's layer scan kept)
+    ZB_FULL,
     f"mesh.data=2 mesh.pipeline=4 train.grad_accum=4 pipeline.schedule=gpipe pipeline.recompute=true "
     f"train.remat=full {TOL}",
     # pipelines beside tensor parallelism, and in bf16: the stash's D-sized leaves stay full-width
@@ -98,6 +99,20 @@ def test_predicted_memory_within_15_percent_of_the_compiler(compiled, overrides)
     # the state is exact: the same specs the step uses
     state = pred["params"] + pred["opt_state"]
     assert state <= mem["argument_bytes"] <= state + pred["batch"] + 4096
+
+
+@pytest.mark.slow
+def test_zb_h1_holds_no_w_slot_copy_but_bx_new_one(compiled):
+    """zb_h1 p=2 under remat full (the memory row's compile): the tick's switch reads W's slot
+    from the ring in place and only Bx files into it, so the step holds the ring's slots and
+    Bx's new one (W_TICK), not the slot sliced before the switch nor the ring's spare one:
+    40.07 MiB compiled temp before (2026-12-03), 28.57 after, two 5.75 MiB slots less."""
+    cfg, _, _, mem, _, _ = compiled[ZB_FULL]
+    layout = Layout.of_config(cfg, 8)
+    tokens = cfg.train.global_batch // 4 // 2 * cfg.train.seq_len  # a microbatch on a device
+    slot = tokens * cfg.model.n_layers // 2 * w_kept_bytes(cfg, layout)
+    assert slot == 5.75 * 2**20
+    assert mem["temp_bytes"] <= 40.07 * 2**20 - 1.5 * slot
 
 
 @pytest.mark.slow

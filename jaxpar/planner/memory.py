@@ -22,8 +22,8 @@
     boundary    a pipeline's [tokens, D] stage-boundary buffers: the x and g rings (their
                 timetable slots and spare ones) and a tick's reads, copies and zeros of them
     w_kept      zb_h1: per layer and microbatch between its Bx and its W, what W reads that Bx
-                computed (w_kept_bytes), in the timetable's w slots (d + 1 on device d) and the
-                ring's spare one; a tick's W_TICK more (the slot it reads, Bx's new one)
+                computed (w_kept_bytes), in the timetable's w slots (d + 1 on device d; the ring
+                has no spare one); a tick's W_TICK more (Bx's new slot)
     logits      float32 [tokens, vocab / tensor] logits, their softmax and gradient
                 (train.loss_chunk: only a chunk's)
 
@@ -61,13 +61,13 @@ STASH_TICK = 3
 # and cotangent slots it reads (two slices) and their copies as the switch's operands, and the
 # branches' zero activations.
 BOUNDARY_TICK = 5
-# zb_h1: slots of what Bx keeps for W that a tick holds besides the runner's w ring buffer: the
-# slot it reads (a dynamic slice made before the tick's switch and live through every branch,
-# though only W reads it) and Bx's new one (its layer scan's stacked outputs, filed into the ring
-# after the switch); the branches' zeros are one broadcast per distinct leaf shape, left out.
-# Read off the compiled step's live buffers at its peak, a Bx tick (data 4 x pipeline 2, remat
-# full, 2026-12-03: the ring 3 slots of 5.75 MiB, the slot read 5.75, Bx's new one 5.75).
-W_TICK = 2
+# zb_h1: slots of what Bx keeps for W that a tick holds besides the runner's w ring buffer: Bx's
+# new one (its layer scan's stacked outputs, a switch output filed into the ring after it); the
+# branches' zeros are one broadcast per distinct leaf shape, left out. W's layer scan slices each
+# layer's share from the ring itself, and only Bx writes to it (no spare slot). (2 and the
+# ring's spare one while the slot W reads was sliced before the switch and every tick filed its
+# w_out: 40.07 -> 28.57 MiB compiled temp at data 4 x pipeline 2, remat full, 2026-12-03.)
+W_TICK = 1
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
 
@@ -314,9 +314,9 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
             out["working"] += tokens * stashed
         # the stage-boundary ring buffers (inputs, cotangents) and a tick's other [tokens, D]s
         out["boundary"] = boundary * tokens * ms.dim * c
-        if tt.n_w_slots:  # the runner's ring buffer (the timetable's w slots and one for nobody)
-            # and a tick's W_TICK more (its slot read, Bx's new one)
-            out["w_kept"] = (tt.n_w_slots + 1 + W_TICK) * tokens * layers * w_kept_bytes(cfg, layout)
+        if tt.n_w_slots:  # the runner's ring buffer (the timetable's w slots) and a tick's
+            # W_TICK more (Bx's new one)
+            out["w_kept"] = (tt.n_w_slots + W_TICK) * tokens * layers * w_kept_bytes(cfg, layout)
     else:
         out["activations"] = tokens * layers * kept
         out["working"] = WORKING * tokens * full if layout.remat != "none" else 0.0

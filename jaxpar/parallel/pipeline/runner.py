@@ -37,7 +37,7 @@ last stage's epilogue. No mesh axis name appears in the model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +82,17 @@ def send_patterns(recv: np.ndarray, perm: list[tuple[int, int]]):
                 patterns.append(pairs)
             index[t] = patterns.index(pairs) + 1
     return patterns, index
+
+
+class WRing(NamedTuple):
+    """zb_h1: the ring of what Bx keeps for W (a list of [slots, ...] buffers), handed whole and
+    read-only into the tick's switch with the slot W reads, so that only W's branch slices it.
+    (Sliced before the switch, the slot was live through every branch: one slot more at the
+    peak, a Bx tick. Passed through the switch and written by Bx in place, the ring was copied
+    in every branch: XLA's conditional outputs are copies unless no branch reads the operand.)"""
+
+    ring: list
+    read: Any
 
 
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
@@ -207,7 +218,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             _, vjp = jax.vjp(lambda lk, xi: body(top, lk, xi, tok), lk, x)
             return vjp(g)
 
-        # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, r_in, w_in, tok, k)
+        # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, r_in, w: WRing, tok, k)
         #      -> (acc_top, acc_lay, loss, y, dx, r_out, w_out)
         def idle(at, al, loss, x, g, r, w, tok, k):
             return at, al, loss, zeros_x, zeros_x, zeros_r, zeros_w
@@ -280,7 +291,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
 
         def w_grads(at, al, loss, x, g, r, w, tok, k):
             lk = chunk(k)
-            dl = layers.weight_half(r, w, lk, top)
+            dl = layers.weight_half(r, w.ring, w.read, lk, top)
             return at, add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_r, zeros_w
 
         branches = {IDLE: idle, F_FIRST: f_first, F_MID: f_mid, B_FIRST: b_first, B_MID: b_mid,
@@ -304,10 +315,9 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             r = row[d]
             code, i, k, xs, gs, rx, rg, rs, rp, yp, ws, wp, fi, bi = (r[j] for j in range(14))
             tok = mb_at(i)
-            x_in, g_in, r_in, w_in = (tree_at(xbuf, xs), tree_at(gbuf, gs), tree_at(rbuf, rs),
-                                      tree_at(wbuf, ws))
+            x_in, g_in, r_in = tree_at(xbuf, xs), tree_at(gbuf, gs), tree_at(rbuf, rs)
             at, al, loss, y, dx, r_out, w_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
-                                                               r_in, w_in, tok, k)
+                                                               r_in, WRing(wbuf, ws), tok, k)
             x_recv = send(y, fwd_pats, fi)
             g_recv = send(dx, bwd_pats, bi)
             # Slot n (one past the last) takes what arrives for nobody.
@@ -318,8 +328,8 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             rbuf = put(rbuf, r_out, jnp.where(rp < 0, n_r, rp))
             if stash:  # the last stage keeps its output for its backward
                 xbuf = put(xbuf, y, jnp.where(yp < 0, n_x, yp))
-            if split:  # Bx keeps what W reads
-                wbuf = put(wbuf, w_out, jnp.where(wp < 0, n_w, wp))
+            if split:  # Bx keeps what W reads (no other tick writes: the ring has no spare slot)
+                wbuf = jax.lax.cond(wp >= 0, lambda b, a: put(b, a, wp), lambda b, a: b, wbuf, w_out)
             return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 
         acc_top = jax.eval_shape(lambda: scatter(top, {n: flat_specs[n] for n in top}))
@@ -332,7 +342,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
         loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
         rbuf = [jnp.zeros((n_r + 1, *s.shape), s.dtype) for s in r_sds]
-        wbuf = [jnp.zeros((n_w + 1, *s.shape), s.dtype) for s in w_sds]
+        wbuf = [jnp.zeros((n_w, *s.shape), s.dtype) for s in w_sds]
         carry = jax.tree.map(lambda a: vary(a, manual),
                              (acc_top, acc_lay, loss0, buf(n_x), buf(n_g), rbuf, wbuf))
         (acc_top, acc_lay, (loss, sown), *_), _ = jax.lax.scan(tick, carry, table)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, primitives
 
@@ -204,18 +205,23 @@ class LayerSplit:
 
         return jax.lax.scan(body, g, (kept, [lk[n] for n in self.names]), reverse=True)
 
-    def weight_half(self, kept: list, w: list, lk: dict, top: dict) -> dict:
+    def weight_half(self, kept: list, ring: list, slot, lk: dict, top: dict) -> dict:
         """W: the stage's layer-param gradients {name: [layers, ...]} from the forward's residuals
-        `kept` and Bx's `w`, layer by layer (a scan with no carry: no chain between layers)."""
+        `kept` and what Bx kept, slot `slot` of the runner's w `ring` ([slots, layers, ...]
+        each), layer by layer (a scan with no carry: no chain between layers). Each layer slices
+        its own from the ring: the slot is never copied out whole."""
         res = sorted({at for src, at in self.w_src if src == "res"})
 
         def body(_, xs):
-            res_l, w_l, ls = xs
+            res_l, layer, ls = xs
+            w_l = [jax.lax.dynamic_slice(b, (slot, layer) + (0,) * (b.ndim - 2), (1, 1) + b.shape[2:])
+                   .reshape(b.shape[2:]) for b in ring]
             known = {"lay": dict(zip(self.names, ls)), "top": top, "res": dict(zip(res, res_l)),
                      "w": w_l}
             env = {k: known[at[0]][at[1]] if src == "ref" else known[src][at]
                    for k, (src, at) in zip(self.cut.w_in, self.w_src)}
             return None, self.cut.run(self.cut.w_nodes, env, self.cut.dw_out)
 
-        _, dw = jax.lax.scan(body, None, ([kept[i] for i in res], w, [lk[n] for n in self.names]))
+        layers = jnp.arange(len(lk[self.names[0]]), dtype=jnp.int32)
+        _, dw = jax.lax.scan(body, None, ([kept[i] for i in res], layers, [lk[n] for n in self.names]))
         return dict(zip(self.names, dw))
