@@ -248,13 +248,18 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             dl, dx = stage_grads(r, chunk(k), x, g, tok)
             return at, add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
 
+        def seed(val):  # the loss's cotangent, typed as varying as the loss is (check_vma)
+            return vary(jnp.ones(val.shape, val.dtype), varying_axes(val))
+
+        def add_loss(loss, aux):  # this microbatch's (loss, sown) into the running sums
+            return jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, aux)
+
         def head_grads(loss, lk, y, tok):
             """The head and loss's backward from the last stage's kept output: (loss plus this
             microbatch's, top grads, output cotangent)."""
-            val, vjp, (lm, sown) = jax.vjp(lambda t, yi: post(t, lk, yi, tok), top, y, has_aux=True)
-            dt, dy = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
-            loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
-            return loss, dt, jax.tree.map(lambda a: vary(a, manual), dy)
+            val, vjp, aux = jax.vjp(lambda t, yi: post(t, lk, yi, tok), top, y, has_aux=True)
+            dt, dy = vjp(seed(val))
+            return add_loss(loss, aux), dt, jax.tree.map(lambda a: vary(a, manual), dy)
 
         def b_last_kept(at, al, loss, y, g, r, w, tok, k):
             """The last stage's backward from its kept output and residuals (F last ran)."""
@@ -264,11 +269,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
 
         def b_last(at, al, loss, x, g, r, w, tok, k):
-            val, vjp, (lm, sown) = jax.vjp(lambda t, lk, xi: post(t, lk, body(t, lk, xi, tok), tok),
-                                           top, chunk(k), x, has_aux=True)
-            dt, dl, dx = vjp(vary(jnp.ones(val.shape, val.dtype), varying_axes(val)))
-            loss = jax.tree.map(lambda a, b: a + b.astype(a.dtype), loss, (lm, sown))
-            return add_top(at, dt), add_chunk(al, dl, k), loss, zeros_x, dx, zeros_r, zeros_w
+            val, vjp, aux = jax.vjp(lambda t, lk, xi: post(t, lk, body(t, lk, xi, tok), tok),
+                                    top, chunk(k), x, has_aux=True)
+            dt, dl, dx = vjp(seed(val))
+            return add_top(at, dt), add_chunk(al, dl, k), add_loss(loss, aux), zeros_x, dx, zeros_r, zeros_w
 
         # ---- split backward (zb_h1): Bx runs the layers' input-gradient half (split.py), sends
         # the input cotangent and keeps what W reads; W adds the weight gradients from that alone
