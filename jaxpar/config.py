@@ -531,6 +531,7 @@ class XlaConfig(Strict):
     # transposed (every weight gradient x^T dy once XLA folds the transpose into the dot): such
     # dots fall back to a naive loop, 2-3x slower steps in bf16. oneDNN takes them all.
     # auto: oneDNN when train.compute_dtype is 16-bit (in float32 XLA's default is faster).
+    # An option of the step's compile (jaxpar.xla.compiler_options), not of XLA_FLAGS.
     cpu_dots: Literal["auto", "onednn", "default"] = "auto"
     # XLA:CPU allocates each step's temporaries afresh: glibc serves a block above its mmap
     # threshold (at most 32 MiB) by a new mapping, so every page of it faults (the kernel zeroes

@@ -1,4 +1,5 @@
-"""XLA options, set before the backend starts (XLA reads XLA_FLAGS once, at its first use)."""
+"""XLA options: process-wide flags set before the backend starts (XLA reads XLA_FLAGS once, at
+its first use), and per-program options given to each compile of the step (compiler_options)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -33,10 +34,12 @@ GPU_OVERLAP_FLAGS = {
 PIPELINED_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 PIPELINE_MODE_SINCE = (0, 11, 2)
 # Dots on XLA:CPU through oneDNN (see XlaConfig.cpu_dots): YNNPACK, the default, leaves bf16
-# dots with a transposed left operand (the weight gradients) to a naive loop. jaxlib >= 0.10.2.
-CPU_ONEDNN_DOT_FLAGS = {
-    "--xla_cpu_use_onednn": "true",
-    "--xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+# dots with a transposed left operand (the weight gradients) to a naive loop. Per program (a
+# compile option, not XLA_FLAGS): a script that made JAX computations before its Trainer, or
+# trains float32 and bf16 in one process, still gets each step's own dots. jaxlib >= 0.10.2.
+CPU_ONEDNN_DOTS = {
+    "xla_cpu_use_onednn": True,
+    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
 }
 
 
@@ -72,13 +75,22 @@ def xla_flags(cfg: Config) -> list[str]:
     defaults: dict[str, str] = {}
     if cfg.xla.gpu_overlap and _gpu_plugin_present():
         defaults.update(gpu_overlap_flags())
-    cpu_dots = cfg.xla.cpu_dots
-    if cpu_dots == "auto":
-        cpu_dots = "onednn" if cfg.train.compute_dtype in ("bfloat16", "float16") else "default"
-    if cpu_dots == "onednn":  # only XLA:CPU reads these; harmless beside a GPU
-        defaults.update(CPU_ONEDNN_DOT_FLAGS)
     own = {_name(f) for f in cfg.xla.flags}
     return [f"{k}={v}" for k, v in defaults.items() if k not in own] + list(cfg.xla.flags)
+
+
+def compiler_options(cfg: Config, platform: str) -> dict[str, object]:
+    """The XLA options of this config's step program on `platform` (its devices'), given to its
+    compile (`lowered.compile(compiler_options=...)`): they apply whenever the step compiles,
+    whatever XLA_FLAGS holds. On CPU the dots (XlaConfig.cpu_dots): `auto` takes oneDNN for
+    16-bit compute and leaves float32 to XLA (or XLA_FLAGS); an explicit `default` turns oneDNN
+    off for this program."""
+    if platform != "cpu":
+        return {}
+    cpu_dots = cfg.xla.cpu_dots
+    if cpu_dots == "auto":
+        return dict(CPU_ONEDNN_DOTS) if cfg.train.compute_dtype in ("bfloat16", "float16") else {}
+    return dict(CPU_ONEDNN_DOTS) if cpu_dots == "onednn" else {"xla_cpu_use_onednn": False}
 
 
 # glibc's mallopt parameters (malloc.h)

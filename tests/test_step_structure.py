@@ -5,15 +5,17 @@ transposed. Inside jaxpar's shard_map every weight gradient ends up as one (XLA 
 transpose of dot(dy, x) into dot(x, dy)); a plain GSPMD jit has its all-reduce between the dot
 and the transpose, so it escaped. Refused dots run in XLA's naive loop emitter: the bf16 step was
 2.4-3.2x slower than a hand-written jit. jaxpar now routes CPU dots through oneDNN for 16-bit
-compute (`xla.cpu_dots`). Each case compiles in its own process, since XLA options are
-per-process, with the options jaxpar itself picks for the config.
+compute (`xla.cpu_dots`), per program: the step's compile gets its options
+(jaxpar.xla.compiler_options) whatever XLA_FLAGS holds, so these cases compile in this process,
+after JAX started, as a user's script or notebook would (XLA_FLAGS of the test run: 8 devices,
+LLVM at -O0, which picks the same dot emitters and cost analysis).
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from jaxpar.bench import load
+from jaxpar.bench.overhead import compiled_structure
+from jaxpar.config import make_config
+from jaxpar.train.trainer import Trainer
 
 MODEL = ["model.preset=null", "model.n_layers=2", "model.dim=256", "model.n_heads=4",
          "model.n_kv_heads=4", "model.ffn_dim=1024", "model.vocab_size=256", "train.seq_len=64",
@@ -23,25 +25,10 @@ LAYOUTS = {
     "data8": ["mesh.data=8", "mesh.fsdp=1", "sharding.zero_stage=0"],
     "fsdp8_zero3": ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=3"],
 }
-SCRIPT = """
-import json, sys
-from jaxpar.bench import load
-from jaxpar.xla import apply_xla_flags
-_, cfg = load("overhead-point", None, sys.argv[1:])
-apply_xla_flags(cfg)  # before JAX starts, as `jaxpar train` does
-from jaxpar.bench.overhead import compiled_structure
-print(json.dumps(compiled_structure(cfg)))
-"""
 
 
 def _structure(overrides):
-    # the test run's XLA_FLAGS (8 devices, LLVM at -O0: the dot emitters chosen and the cost
-    # analysis are the same as at the default level, measured; the compile is ~30% cheaper)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *overrides], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return compiled_structure(load("overhead-point", None, overrides)[1])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -63,3 +50,16 @@ def test_default_cpu_dots_would_leave_the_weight_gradients_naive():
                     "(measured on 0.10.2: 0), so the check above cannot fail there")
     res = _structure([*MODEL, *LAYOUTS["data8"], "xla.cpu_dots=default"])
     assert res["jaxpar"]["naive_bf16_dots"] >= 2, res
+
+
+def test_each_step_compiles_with_its_own_cpu_dots():
+    """JAX started long before these Trainers (XLA_FLAGS names no dot library): a bf16 step's
+    dots are oneDNN's, a float32 one's XLA's default, an explicit `default` turns oneDNN off.
+    Before, the choice went to XLA_FLAGS and was lost (a warning) once JAX had started."""
+    tiny = ["model.preset=tiny", "model.n_layers=1", "model.dim=64", "model.n_heads=2", "model.n_kv_heads=2",
+            "model.ffn_dim=128", "model.vocab_size=64", "train.seq_len=16", "train.global_batch=8",
+            "data.source=synthetic", "checkpoint.enabled=false", "train.progress=false"]
+    for extra, onednn in ((["train.compute_dtype=bfloat16"], True), (["train.compute_dtype=float32"], False),
+                          (["train.compute_dtype=bfloat16", "xla.cpu_dots=default"], False)):
+        hlo = Trainer(make_config({}, tiny + extra), log=lambda s: None).compile().as_text()
+        assert ("onednn" in hlo.lower()) == onednn, extra

@@ -141,7 +141,7 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, warmup: int = 
     init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding, *jaxpar_shardings(trainer))
     params, opt_state = init()
     t0 = time.perf_counter()
-    bl_step = bl_jit.lower(params, opt_state, batch).compile()
+    bl_step = bl_jit.lower(params, opt_state, batch).compile(compiler_options=trainer.compiler_options)
     bl_compile = time.perf_counter() - t0
 
     def run_jp():
@@ -215,8 +215,8 @@ def format_result(res: dict) -> str:
 
 def compiled_structure(cfg: Config) -> dict:
     """Compile (never run) jaxpar's step and the hand-written one for `cfg`: XLA's bytes accessed
-    and the bf16 dots left to XLA:CPU's naive emitter, per step. Call with jaxpar's XLA options
-    applied (jaxpar.xla.apply_xla_flags) before JAX starts."""
+    and the bf16 dots left to XLA:CPU's naive emitter, per step; both with the step's compiler
+    options (CPU dots)."""
     trainer = Trainer(cfg, log=lambda s: None)
     batch = trainer.abstract_batch()
     state = jax.eval_shape(trainer.init_fn, cfg.train.seed)
@@ -225,8 +225,10 @@ def compiled_structure(cfg: Config) -> dict:
     init, bl_jit = build_baseline(cfg, trainer.mesh, batch.sharding, *jaxpar_shardings(trainer))
     params, opt_state = jax.eval_shape(init)
     out = {}
-    for name, compiled in (("jaxpar", trainer.step_fn.lower(state, batch).compile()),
-                           ("baseline", bl_jit.lower(params, opt_state, batch).compile())):
+    opts = trainer.compiler_options
+    for name, lowered in (("jaxpar", trainer.step_fn.lower(state, batch)),
+                          ("baseline", bl_jit.lower(params, opt_state, batch))):
+        compiled = lowered.compile(compiler_options=opts)
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         out[name] = {"bytes_accessed": float(cost.get("bytes accessed", 0.0)),

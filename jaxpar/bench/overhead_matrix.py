@@ -3,8 +3,8 @@ users run: compute dtype x remat x layout (each cell is `jaxpar bench overhead-p
 
 Layouts: data=8 (ZeRO-0), fsdp=8 ZeRO-1, fsdp=8 ZeRO-3, data=2 x fsdp=2 x tensor=2 (ZeRO-1). The
 baseline of each cell is plain GSPMD with jaxpar's param and optimizer-state shardings, so the
-compiler places its own collectives. Each cell runs in its own process: XLA options are
-per-process and jaxpar picks them per config (`xla.cpu_dots`), as `jaxpar train` would.
+compiler places its own collectives. Each cell runs in its own process, as `jaxpar train` would
+(a fresh heap and XLA_FLAGS per cell; the CPU dots are each step's own compile option).
 """
 from __future__ import annotations
 

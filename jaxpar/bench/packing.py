@@ -61,7 +61,7 @@ def step_row(cfg: Config, impl: str, packed: bool, eos: int) -> dict:
     step = trainer.make_step(documents=Documents(eos) if packed else None)
     state = trainer.abstract_state_sharded()
     batch = trainer.abstract_batch()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, batch).compile(compiler_options=trainer.compiler_options)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return {"impl": impl, "packed": packed, "temp_bytes": compiled_memory(compiled).get("temp_bytes", 0),

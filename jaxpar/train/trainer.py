@@ -37,7 +37,7 @@ from jaxpar.train.precision import DTYPES, apply_precision, check_precision
 from jaxpar.train.preflight import check_attention_fits, check_step_fits
 from jaxpar.train.evaluate import Evaluator, make_eval_step
 from jaxpar.train.step import make_init, make_step_spec, make_train_step, reorder_state
-from jaxpar.xla import apply_xla_flags
+from jaxpar.xla import apply_xla_flags, compiler_options
 from models.moe import active_param_count
 
 
@@ -167,12 +167,20 @@ class Trainer:
     def abstract_state(self) -> Any:
         return jax.eval_shape(self.init_fn, self.cfg.train.seed)
 
+    @property
+    def compiler_options(self) -> dict[str, object]:
+        """The step program's own XLA options (jaxpar.xla.compiler_options: CPU dots), for its
+        devices' platform."""
+        return compiler_options(self.cfg, self.mesh.devices.flat[0].platform)
+
     def compile(self):
-        """The compiled step (AOT), for its memory analysis and HLO."""
+        """The compiled step (AOT), for its memory analysis and HLO; every run of the step goes
+        through it (its compiler_options apply)."""
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              self.abstract_state(), self.spec.state_shardings)
         t0 = time.perf_counter()
-        self.compiled = self.step_fn.lower(state, self.abstract_batch()).compile()
+        lowered = self.step_fn.lower(state, self.abstract_batch())
+        self.compiled = lowered.compile(compiler_options=self.compiler_options)
         if self.events is not None:
             self.events("compiled", seconds=time.perf_counter() - t0)
         return self.compiled
