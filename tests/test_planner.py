@@ -343,7 +343,7 @@ def test_pinned_options_are_scored_even_where_the_search_would_not_try_them(caps
     assert "zero=1 remat=dots_with_no_batch_dims_saveable accum=1" in out["best"][0]["layout"], out["best"]
     # pins hold on every mesh of 8 devices too: nothing scored has another remat or stage
     assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--json", "--top", "50",
-                 "--layout", "train.remat=dots_with_no_batch_dims_saveable sharding.zero_stage=2"]) == 0
+                 "--layout", "train.remat=dots_with_no_batch_dims_saveable", "sharding.zero_stage=2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["best"] and all("zero=2 remat=dots_with_no_batch_dims_saveable" in b["layout"]
                                for b in out["best"])

@@ -15,9 +15,9 @@ def add_parser(sub) -> None:
     p.add_argument("--cluster", default=None, help="a preset (see jaxpar/planner/clusters) or a YAML file")
     p.add_argument("--devices", type=int, default=None, help="devices to plan for (default: the cluster's)")
     p.add_argument("--top", type=int, default=5)
-    p.add_argument("--layout", action="append", default=[], metavar="mesh.x=N",
+    p.add_argument("--layout", action="extend", nargs="+", default=[], metavar="mesh.x=N",
                    help="score only layouts with these settings (mesh.*, sharding.zero_stage, train.remat, "
-                        "train.grad_accum, pipeline.schedule); repeatable")
+                        "train.grad_accum, pipeline.schedule); several after one --layout, or repeated")
     p.add_argument("--explain", action="store_true", help="break the best plan into its terms")
     p.add_argument("--json", action="store_true")
     p.add_argument("-o", "--output", default=None, help="calibrate / fit: the cluster file to write")
