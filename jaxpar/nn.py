@@ -29,11 +29,17 @@ from jaxpar import attention as attention_ops
 from jaxpar.sharding import vary_together
 
 AxisNames = tuple[str | None, ...]
+Q_AXES: AxisNames = ("batch", "seq", "heads", "head_dim")  # attention's q and output
+KV_AXES: AxisNames = ("batch", "seq", "kv_heads", "head_dim")  # its k and v
 
 
 @dataclass(frozen=True)
 class Context:
     constrain: Callable[[jax.Array, AxisNames], jax.Array] = lambda x, axes: x
+    # How the compiler's mesh axes split an activation of these logical axes, inside the step's
+    # shard_map (a PartitionSpec; None: not inside one). Ops that must run with every axis
+    # manual there (cuDNN attention: jaxpar/manual.py) lay their operands out by it.
+    spec: Callable[[AxisNames], Any] | None = None
     layer_params: Callable[[Any], Any] = lambda state: state  # one layer's nnx.State -> ready params
     remat: str = "none"
     never_save: tuple[str, ...] = ()  # checkpoint names the backward must recompute (ZeRO-3 gathers)
@@ -121,8 +127,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
     """Causal attention, q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads,
     head_dim]; `segment_ids` [batch, seq]: no attention across a segment boundary. The options are
     model.attention, attention_block and attention_threshold (see jaxpar/attention)."""
-    fn = _CTX.get().attention or attention_ops.attention
-    return fn(q, k, v, segment_ids, implementation=implementation, block=block, threshold=threshold)
+    ctx = _CTX.get()
+    fn = ctx.attention or attention_ops.attention
+    layout = None if ctx.spec is None else (ctx.spec(Q_AXES), ctx.spec(KV_AXES))
+    return fn(q, k, v, segment_ids, implementation=implementation, block=block, threshold=threshold,
+              layout=layout)
 
 
 _AUX: contextvars.ContextVar[dict | None] = contextvars.ContextVar("jaxpar_aux", default=None)

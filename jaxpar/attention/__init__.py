@@ -24,6 +24,7 @@ import jax
 from jaxpar.attention.blockwise import blockwise_attention
 from jaxpar.attention.cudnn import check_cudnn, cudnn_attention, cudnn_problem
 from jaxpar.attention.xla import segment_mask, xla_attention
+from jaxpar.platform import current as target_platform
 
 CUDNN_MAX_HEAD_DIM = 128  # what `auto` trusts cuDNN's flash kernel with (multiples of 8)
 
@@ -51,13 +52,17 @@ def check(implementation: str, platform: str, compute_dtype) -> None:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
               implementation: str = "auto", block: int = 512, threshold: int = 2048,
-              causal: bool = True) -> jax.Array:
-    """Causal attention by the named implementation (see the module docstring)."""
-    name = resolve(implementation, platform=jax.default_backend(), dtype=q.dtype, seq_len=q.shape[1],
+              causal: bool = True, layout=None) -> jax.Array:
+    """Causal attention by the named implementation (see the module docstring). `layout`: how
+    the compiler's mesh axes split (q, k) inside the step's shard_map (nn.Context.spec), for
+    cudnn, which runs there with every axis manual."""
+    name = resolve(implementation, platform=target_platform(), dtype=q.dtype, seq_len=q.shape[1],
                    head_dim=q.shape[-1], threshold=threshold)
     fns = implementations(block)
     if name not in fns:
         raise ValueError(f"unknown attention implementation {name!r}; valid: auto, {', '.join(fns)}")
+    if name == "cudnn":
+        return cudnn_attention(q, k, v, segment_ids, causal=causal, layout=layout)
     return fns[name](q, k, v, segment_ids, causal=causal)
 
 

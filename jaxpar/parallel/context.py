@@ -232,7 +232,8 @@ def global_to_zigzag(x: jax.Array, size: int) -> jax.Array:
     return jnp.stack([y[:, :size], jnp.flip(y[:, size:], 1)], axis=2).reshape(x.shape)
 
 
-def ulysses_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation, block, threshold):
+def ulysses_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation, block, threshold,
+                      layout=None):
     """Sequence-split [b, s/C, h, d] -> head-split [b, s, h/C, d], attention, and back."""
     to_heads = lambda x: jax.lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)
     q, k, v = to_heads(q), to_heads(k), to_heads(v)
@@ -243,7 +244,7 @@ def ulysses_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementati
         q, k, v = (zigzag_to_global(x, cp.size) for x in (q, k, v))
         segment_ids = None if segment_ids is None else zigzag_to_global(segment_ids, cp.size)
     o = attention_ops.attention(q, k, v, segment_ids, implementation=implementation, block=block,
-                                threshold=threshold)
+                                threshold=threshold, layout=layout)
     if zigzag:
         o = global_to_zigzag(o, cp.size)
     return jax.lax.all_to_all(o, AXIS, split_axis=1, concat_axis=2, tiled=True)
@@ -401,10 +402,11 @@ def ring_tile(implementation: str, run: int, block: int, seq: int, threshold: in
 
 
 def ring_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation: str = "blockwise",
-                   block: int = 512, threshold: int = 2048):
+                   block: int = 512, threshold: int = 2048, layout=None):
     """Causal ring attention of this device's q [b, s/C, h, d] against every device's k, v
     [b, s/C, kv_heads, d] (segment ids [b, s/C]: this device's). The model's `implementation`,
-    `block` (model.attention_block) and `threshold` set the tile (ring_tile)."""
+    `block` (model.attention_block) and `threshold` set the tile (ring_tile); the tiles are our
+    own (blockwise's), so `layout` (for cudnn) does not apply."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
     run = s // 2 if cp.layout == "zigzag" else s

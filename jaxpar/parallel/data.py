@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.nn import axes_of
+from jaxpar.platform import current as target_platform
 from jaxpar.parallel.sync import GradientSync, flat_paths, key_path
 from jaxpar.sharding import ZERO_AXIS, Plan, entry_axes, select_axes
 
@@ -51,7 +52,7 @@ def native_bf16_collectives() -> bool:
     """Whether the backend reduces bf16 natively. XLA:CPU does not: it widens bf16 collectives
     to float32, aborts on a bf16 reduce-scatter and (jax 0.12.0.1) crashes promoting some bf16
     all-reduces of the train step (AllReducePromotion: "Invalid binary instruction opcode copy")."""
-    return jax.default_backend() != "cpu"
+    return target_platform() != "cpu"
 
 
 def _on_wire(collective, x: jax.Array) -> jax.Array:

@@ -41,3 +41,10 @@ def activation_constrainer(plan: Plan, manual: frozenset[str]) -> Callable:
         return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
 
     return constrain
+
+
+def activation_spec(plan: Plan, manual: frozenset[str]) -> Callable:
+    """spec(logical_axes) -> how the compiler-managed axes split such an activation, inside a
+    shard_map manual over `manual` (nn.Context.spec: what an op run with every axis manual lays
+    its operands out by)."""
+    return lambda axes: drop_axes(plan.spec(tuple(axes), None, use="act"), manual)

@@ -15,7 +15,7 @@ from jaxpar import nn
 from jaxpar.parallel.context import ContextParallel, make_context
 from jaxpar.parallel.data import GATHERED, param_preparer
 from jaxpar.parallel.expert import expert_hook
-from jaxpar.parallel.tensor import activation_constrainer
+from jaxpar.parallel.tensor import activation_constrainer, activation_spec
 from jaxpar.sharding import Plan
 from jaxpar.train.loss import DeferredLogits
 from jaxpar.train.model import ModelDef
@@ -47,7 +47,8 @@ def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dt
     prepare = param_preparer(plan, manual, compute_dtype, grad_dtype)
     head = (lambda x, w: DeferredLogits(x, w, loss_chunk)) if loss_chunk else None
     cp = make_context(plan, context, manual)
-    ctx = nn.Context(constrain=activation_constrainer(plan, manual), experts=expert_hook(plan, manual),
+    ctx = nn.Context(constrain=activation_constrainer(plan, manual), spec=activation_spec(plan, manual),
+                     experts=expert_hook(plan, manual),
                      layer_params=lambda st: prepare(st, stacked=True), remat=remat,
                      never_save=(GATHERED,) if plan.zero_stage >= 3 else (), head=head,
                      attention=cp.attention())

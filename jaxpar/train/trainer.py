@@ -37,6 +37,7 @@ from jaxpar.train.precision import DTYPES, apply_precision, check_precision
 from jaxpar.train.preflight import check_attention_fits, check_step_fits
 from jaxpar.train.evaluate import Evaluator, make_eval_step
 from jaxpar.train.step import make_init, make_step_spec, make_train_step, reorder_state
+from jaxpar.platform import building_for
 from jaxpar.xla import apply_xla_flags, compiler_options
 from models.moe import active_param_count
 
@@ -168,10 +169,15 @@ class Trainer:
         return jax.eval_shape(self.init_fn, self.cfg.train.seed)
 
     @property
+    def platform(self) -> str:
+        """The platform of the devices the step runs on (jaxpar.platform)."""
+        return self.mesh.devices.flat[0].platform
+
+    @property
     def compiler_options(self) -> dict[str, object]:
         """The step program's own XLA options (jaxpar.xla.compiler_options: CPU dots), for its
         devices' platform."""
-        return compiler_options(self.cfg, self.mesh.devices.flat[0].platform)
+        return compiler_options(self.cfg, self.platform)
 
     def compile(self):
         """The compiled step (AOT), for its memory analysis and HLO; every run of the step goes
@@ -179,7 +185,8 @@ class Trainer:
         state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                              self.abstract_state(), self.spec.state_shardings)
         t0 = time.perf_counter()
-        lowered = self.step_fn.lower(state, self.abstract_batch())
+        with building_for(self.platform):  # traced for its devices, whatever the host's backend
+            lowered = self.step_fn.lower(state, self.abstract_batch())
         self.compiled = lowered.compile(compiler_options=self.compiler_options)
         if self.events is not None:
             self.events("compiled", seconds=time.perf_counter() - t0)
