@@ -34,6 +34,7 @@ The rough formula is the same for the whole model with Psi params (4 bytes each)
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable
 
@@ -44,7 +45,7 @@ from jaxpar.bench.common import (describe_config, fmt_bytes, fmt_ratio, mesh_ove
 from jaxpar.config import Config
 from jaxpar.mesh import describe
 from jaxpar.metrics import COLLECTIVE_KINDS, collective_ops
-from jaxpar.metrics.hlo import group_size
+from jaxpar.metrics.hlo import conditional_collectives, group_size
 from jaxpar.planner.comm import grad_sync_bytes as analytic, wire_bytes
 from jaxpar.sharding import ZERO_AXIS
 from jaxpar.train.precision import DTYPES
@@ -71,6 +72,72 @@ def measured(hlo_text: str, n_devices: int) -> dict[str, dict]:
     for row in out.values():
         row["group_sizes"] = sorted(row["group_sizes"])
     return out
+
+
+def pipeline_stage_of(mesh) -> Callable[[int], int]:
+    """Device id as the HLO numbers it (its place in mesh.devices) -> its pipeline stage."""
+    axis = mesh.axis_names.index("pipeline")
+    return lambda i: int(np.unravel_index(i, mesh.devices.shape)[axis])
+
+
+def _stage_pairs(pairs_text: str, stage_of: Callable[[int], int]) -> frozenset:
+    pairs = re.findall(r"\{(\d+),(\d+)\}", pairs_text)
+    return frozenset((stage_of(int(a)), stage_of(int(b))) for a, b in pairs)
+
+
+def _send_index(cond: dict, sends: list, stage_of: Callable[[int], int]):
+    """The per-tick branch index of the send switch whose branches are `cond`'s (branch 0 sends
+    nothing, branch j every pair of pattern j), from [(patterns, index per tick)]; None if none."""
+    for pats, idx in sends:
+        if len(cond["branches"]) != len(pats) + 1 or cond["pairs"][0]:
+            continue
+        if all(pairs and all(_stage_pairs(t, stage_of) == frozenset(pat) for t in pairs)
+               for pairs, pat in zip(cond["pairs"][1:], pats)):
+            sends.remove((pats, idx))
+            return idx
+    return None
+
+
+def pipelined(hlo_text: str, tt, stage_of: Callable[[int], int]) -> dict:
+    """A pipelined step's result bytes and ops per kind per device: {"stages": [per stage],
+    "mean": over stages}. The tick is a switch over op kinds and a switch per send direction
+    (runner.tick_plan); collective_ops counts every branch on every tick, so here a stage counts
+    what runs outside them, each op branch times the ticks it runs that op (the last stage's
+    include the head and loss), and each send branch times the ticks that send its pattern.
+    A conditional it cannot place (not the tick's) counts all branches, as collective_ops does."""
+    from jaxpar.parallel.pipeline.runner import tick_plan
+    codes, fwd, bwd = tick_plan(tt)
+    res = conditional_collectives(hlo_text)
+    rows = lambda: {k: {"result_bytes": 0.0, "ops": 0.0} for k in COLLECTIVE_KINDS}
+    every, stages, sends, op_switch = rows(), [rows() for _ in range(tt.p)], [fwd, bwd], False
+
+    def add(into, branch, times):
+        for k, r in branch.items():
+            into[k]["result_bytes"] += r["bytes"] * times
+            into[k]["ops"] += r["ops"] * times
+
+    add(every, res["outside"], 1)
+    for cond in res["conditionals"]:
+        idx = _send_index(cond, sends, stage_of) if cond["runs"] == tt.ticks else None
+        if idx is not None:
+            for j, branch in enumerate(cond["branches"]):
+                add(every, branch, int((idx == j).sum()))
+        elif cond["runs"] == tt.ticks and len(cond["branches"]) == len(codes) and not op_switch:
+            op_switch = True
+            for d, into in enumerate(stages):
+                for code, branch in zip(codes, cond["branches"]):
+                    add(into, branch, int((tt.code[:, d] == code).sum()))
+        else:
+            for branch in cond["branches"]:
+                add(every, branch, cond["runs"])
+    if not op_switch or any(pats for pats, _ in sends):
+        raise ValueError(f"pipelined: the tick's switches are not in the HLO as runner.tick_plan says "
+                         f"(op switch found: {op_switch}, send switches left: {len(sends)})")
+    for into in stages:
+        add(into, {k: {"bytes": r["result_bytes"], "ops": r["ops"]} for k, r in every.items()}, 1)
+    mean = {k: {f: sum(s[k][f] for s in stages) / tt.p for f in ("result_bytes", "ops")}
+            for k in COLLECTIVE_KINDS}
+    return {"stages": stages, "mean": mean}
 
 
 # --------------------------------------------------------------------------- analytic

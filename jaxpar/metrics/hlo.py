@@ -383,3 +383,97 @@ def dot_flops(hlo_text: str) -> int:
         return total
 
     return flops(entry) if entry else 0
+
+
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
+
+
+def _empty() -> dict[str, dict[str, int]]:
+    return {k: {"bytes": 0, "ops": 0} for k in COLLECTIVE_KINDS}
+
+
+def _add(into: dict, other: dict, times: int = 1) -> None:
+    for k, row in other.items():
+        into[k]["bytes"] += row["bytes"] * times
+        into[k]["ops"] += row["ops"] * times
+
+
+def _own(instrs: list[_Instr]) -> dict[str, dict[str, int]]:
+    """One computation's own collectives (not its callees'): bytes and result arrays per kind."""
+    out = _empty()
+    for ins in instrs:
+        kind = _kind(ins.opcode)
+        if kind is not None:
+            arrays = _arrays(ins.shape)
+            out[kind]["bytes"] += sum(b for _, _, b in arrays)
+            out[kind]["ops"] += len(arrays)
+    return out
+
+
+def _calls(ins: _Instr) -> list[tuple[str, str]]:
+    """(attribute, callee) for each computation an instruction calls."""
+    return [(attr, c) for attr, value in _CALL.findall(ins.rest) for c in _names(value)]
+
+
+def _trip(ins: _Instr) -> int:
+    m = _TRIP.search(ins.rest) if ins.opcode == "while" else None
+    return int(m.group(1)) if m else 1  # unknown trip count: counted once
+
+
+def _once(comps: dict[str, list[_Instr]], comp: str, memo: dict, seen: frozenset = frozenset()) -> dict:
+    """Collectives of one run of `comp`, its callees' included: loops times their trip counts,
+    and every branch of a nested conditional (which one runs is not known here)."""
+    if comp in memo:
+        return memo[comp]
+    out = _own(comps.get(comp, []))
+    for ins in comps.get(comp, []):
+        for attr, callee in _calls(ins):
+            if callee in comps and callee not in seen:
+                _add(out, _once(comps, callee, memo, seen | {comp}), _trip(ins) if attr == "body" else 1)
+    memo[comp] = out
+    return out
+
+
+def _permute_pairs(comps: dict[str, list[_Instr]], comp: str, seen: frozenset = frozenset()) -> list[str]:
+    """The source_target_pairs of every collective-permute `comp` runs (callees included)."""
+    out = []
+    for ins in comps.get(comp, []):
+        if ins.opcode in ("collective-permute", "collective-permute-start"):
+            out.append(_operands_attrs(ins)[1].get("source_target_pairs", ""))
+        for _, callee in _calls(ins):
+            if callee in comps and callee not in seen:
+                out += _permute_pairs(comps, callee, seen | {comp})
+    return out
+
+
+def conditional_collectives(hlo_text: str) -> dict:
+    """Collectives attributed to the conditionals (lax.switch / lax.cond) they run in, for a
+    module whose loops run a different branch on each trip (a pipeline tick: one op per device),
+    where collective_ops(count_loops=True) counts every branch on every trip.
+
+    {"outside": {kind: {"bytes", "ops"}}: everything outside any conditional, loop trip counts
+    multiplied in; "conditionals": [{"name", "runs", "branches": [{kind: {"bytes", "ops"}}]}]:
+    each outermost conditional, how often it runs (its loops' trip counts) and what ONE run of
+    each branch moves, in branch index order (nested loops multiplied in, a nested
+    conditional's branches all counted), and "pairs": per branch, the source_target_pairs
+    text of its collective-permutes (which tell a switch's sends apart)}. A caller who knows
+    which branch runs how often weights the branches: outside + sum of branch x its runs."""
+    comps, entry = _parse_module(hlo_text)
+    memo: dict = {}
+    outside, conds = _empty(), []
+
+    def walk(comp: str, times: int, seen: frozenset) -> None:
+        _add(outside, _own(comps.get(comp, [])), times)
+        for ins in comps.get(comp, []):
+            called = [(a, c) for a, c in _calls(ins) if c in comps and c not in seen]
+            if ins.opcode == "conditional":
+                branches = [_once(comps, c, memo, seen | {comp}) for a, c in called if a in _BRANCHES]
+                pairs = [_permute_pairs(comps, c) for a, c in called if a in _BRANCHES]
+                conds.append({"name": ins.name, "runs": times, "branches": branches, "pairs": pairs})
+                continue
+            for attr, callee in called:
+                walk(callee, times * (_trip(ins) if attr == "body" else 1), seen | {comp})
+
+    if entry is not None:
+        walk(entry, 1, frozenset())
+    return {"outside": outside, "conditionals": conds}

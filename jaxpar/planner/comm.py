@@ -10,7 +10,8 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
                   per-microbatch gathers forward and backward)
   tensor          Megatron activations [tokens, D] per layer and microbatch: 2 all-reduces in the
                   forward and, as XLA partitions the backward, tp_backward_all_reduces there
-                  + 2 at the embedding/head; remat "full" repeats the forward's. Sequence
+                  + 2 at the embedding/head (2/p a stage); remat "full" repeats the
+                  attention's; float32 on XLA:CPU (all_reduce_itemsize). Sequence
                   parallel (sp_collectives): per layer 6 all-gathers (2 forward, the output
                   gradients of the 2 reduce-scatters, the 2 norm outputs again for the weight
                   gradients, or under remat "full" the recomputed forward's gathers serve those)
@@ -52,6 +53,13 @@ def tp_backward_all_reduces(platform: str) -> int:
     AllReduceReassociate, add(all-reduce(a), all-reduce(b)) -> all-reduce(a + b): one per block,
     2, Megatron-LM's count (its fused QKV and single MLP input matmul). Other platforms: 5."""
     return 2 if platform == "gpu" else TP_BACKWARD_ALL_REDUCES
+
+
+def all_reduce_itemsize(itemsize: int, platform: str) -> int:
+    """Bytes per element of an activation all-reduce: XLA:CPU runs those of 16-bit floats in
+    float32 (AllReducePromotion: the compiled step's bf16 all-reduces are f32, their reductions
+    `add..._promoted`); other platforms in the compute dtype."""
+    return max(itemsize, 4) if platform == "cpu" else itemsize
 
 
 def sp_collectives(remat: str, platform: str) -> tuple[int, int]:
@@ -205,8 +213,14 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
     tp = layout.size("tensor")
     if tp > 1:
         before = sum(r["wire_bytes"] for r in out.values())
-        fwd = 2 * (2 if layout.remat == "full" else 1)
+        # remat "full" recomputes the attention's all-reduce, not the MLP's (the layer's output:
+        # the backward does not read it, XLA drops it)
+        fwd = 2 + (1 if layout.remat == "full" else 0)
         per_layer = fwd + tp_backward_all_reduces(platform)
+        # the embedding's (forward) and the head's (backward) all-reduce: on the first and the
+        # last stage of a pipeline, 2/p per device on average
+        ends = 2 / layout.size("pipeline")
+        ar = act * all_reduce_itemsize(c, platform) / c
         lk = link(("tensor",))
         if cfg.sharding.sequence_parallel:
             gathers, scatters = sp_collectives(layout.remat, platform)
@@ -214,9 +228,9 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
             if platform == "gpu":
                 add_op(out, "reduce-scatter", act / tp, tp, micro * (layers * scatters + 1), lk)
             else:  # no ReduceScatterCreator: all-reduce, then each device slices its part
-                add_op(out, "all-reduce", act, tp, micro * (layers * scatters + 1), lk)
+                add_op(out, "all-reduce", ar, tp, micro * (layers * scatters + 1), lk)
         else:
-            add_op(out, "all-reduce", act, tp, micro * (layers * per_layer + 2), lk)
+            add_op(out, "all-reduce", ar, tp, micro * (layers * per_layer + ends), lk)
         purpose["tensor"] = sum(r["wire_bytes"] for r in out.values()) - before
     p = layout.size("pipeline")
     if p > 1:

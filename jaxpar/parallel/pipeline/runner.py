@@ -84,6 +84,24 @@ def send_patterns(recv: np.ndarray, perm: list[tuple[int, int]]):
     return patterns, index
 
 
+def stage_perms(p: int, v: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(forward, backward) (source, destination) stage pairs of the sends: with v > 1 chunk k on
+    device p-1 feeds chunk k+1 on device 0, a ring."""
+    if v == 1:
+        return [(d, d + 1) for d in range(p - 1)], [(d + 1, d) for d in range(p - 1)]
+    return [(d, (d + 1) % p) for d in range(p)], [((d + 1) % p, d) for d in range(p)]
+
+
+def tick_plan(tt: Timetable):
+    """What the compiled tick runs: (branch codes, forward send patterns and index per tick,
+    backward ones). The tick's op switch has one branch per code the timetable uses, in code
+    order; each send switch branch 0 (nothing) and one per pattern (send_patterns). Read by
+    the runner and by whoever weights the compiled step's branches (bench.comm)."""
+    fwd_perm, bwd_perm = stage_perms(tt.p, tt.v)
+    return (sorted(set(np.unique(tt.code).tolist())), send_patterns(tt.recv_x, fwd_perm),
+            send_patterns(tt.recv_g, bwd_perm))
+
+
 class WRing(NamedTuple):
     """zb_h1: the ring of what Bx keeps for W (a list of [slots, ...] buffers), handed whole and
     read-only into the tick's switch with the slot W reads, so that only W's branch slices it.
@@ -115,17 +133,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
     n_x, n_g, n_r, n_w = max(tt.n_x_slots, 1), max(tt.n_g_slots, 1), tt.n_r_slots, tt.n_w_slots
     stash = not tt.recompute
     split = tt.schedule in SPLIT  # zb_h1: Bx and W
-    if v == 1:
-        fwd_perm = [(d, d + 1) for d in range(p - 1)]
-        bwd_perm = [(d + 1, d) for d in range(p - 1)]
-    else:  # chunk k on device p-1 feeds chunk k+1 on device 0
-        fwd_perm = [(d, (d + 1) % p) for d in range(p)]
-        bwd_perm = [((d + 1) % p, d) for d in range(p)]
     flat_specs = flatten(grad_specs)
     # Per tick, the pairs that send: a pattern index per direction (0: nobody), the same column
     # on every device so that the switch around the ppermute is uniform.
-    fwd_pats, fwd_idx = send_patterns(tt.recv_x, fwd_perm)
-    bwd_pats, bwd_idx = send_patterns(tt.recv_g, bwd_perm)
+    used, (fwd_pats, fwd_idx), (bwd_pats, bwd_idx) = tick_plan(tt)
     tables = np.concatenate([tables, np.broadcast_to(np.stack([fwd_idx, bwd_idx], -1)[:, None],
                                                      (tt.ticks, p, 2))], -1)
 
@@ -301,7 +312,6 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         branches = {IDLE: idle, F_FIRST: f_first, F_MID: f_mid, B_FIRST: b_first, B_MID: b_mid,
                     B_LAST: b_last_kept if stash else b_last, F_LAST: f_mid, BX_FIRST: bx_first,
                     BX_MID: bx_mid, BX_LAST: bx_last, W: w_grads}
-        used = sorted(set(np.unique(tt.code).tolist()))
         remap = np.zeros(max(branches) + 1, np.int32)
         remap[used] = np.arange(len(used))
         table = jnp.asarray(np.concatenate([remap[tables[..., :1]], tables[..., 1:]], -1))
