@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from jaxpar.bench.comm import measured, pipeline_stage_of, pipelined
+from jaxpar.bench.comm import measured_step
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, load_config, make_config
-from jaxpar.parallel.pipeline import build_timetable
 from jaxpar.metrics import compiled_memory
 from jaxpar.planner.cluster import load_cluster, presets
 from jaxpar.planner.comm import step_collectives
@@ -82,23 +81,8 @@ class _Compiled(dict):
         layout = Layout.of_config(cfg, 8)
         pred = estimate(cfg, layout, tr.model)
         comm = step_collectives(cfg, layout, tr.model, abstract_plan(cfg, layout))
-        self[overrides] = (cfg, tr, pred, compiled_memory(exe), comm, _measured(cfg, tr, exe.as_text()))
+        self[overrides] = (cfg, tr, pred, compiled_memory(exe), comm, measured_step(cfg, tr.mesh, exe.as_text()))
         return self[overrides]
-
-
-def _measured(cfg, tr, hlo_text: str) -> dict:
-    """The HLO's bytes per kind (bench.comm.measured); a pipeline's per device, its tick's
-    branches weighted by the ticks each stage runs them (bench.comm.pipelined: the mean over
-    stages), where the loop count saw every branch on every tick ("all_branches")."""
-    out = measured(hlo_text, 8)
-    if cfg.mesh.pipeline > 1:
-        pc = cfg.pipeline
-        tt = build_timetable(pc.schedule, cfg.mesh.pipeline, pc.resolved_microbatches(cfg.train.grad_accum),
-                             pc.virtual_stages, pc.recompute)
-        mean = pipelined(hlo_text, tt, pipeline_stage_of(tr.mesh))["mean"]
-        for kind, row in out.items():
-            row["all_branches"], row["result_bytes"] = row["result_bytes"], mean[kind]["result_bytes"]
-    return out
 
 
 @pytest.fixture(scope="module")

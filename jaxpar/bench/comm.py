@@ -74,6 +74,22 @@ def measured(hlo_text: str, n_devices: int) -> dict[str, dict]:
     return out
 
 
+def measured_step(cfg: Config, mesh, hlo_text: str) -> dict[str, dict]:
+    """The compiled step's bytes per kind (measured); a pipeline's per device, its tick's
+    branches weighted by the ticks each stage runs them (pipelined: the mean over stages),
+    where the loop count saw every branch on every tick ("all_branches")."""
+    out = measured(hlo_text, mesh.devices.size)
+    if cfg.mesh.pipeline > 1:
+        from jaxpar.parallel.pipeline.schedule import build_timetable
+        pc = cfg.pipeline
+        tt = build_timetable(pc.schedule, cfg.mesh.pipeline, pc.resolved_microbatches(cfg.train.grad_accum),
+                             pc.virtual_stages, pc.recompute)
+        mean = pipelined(hlo_text, tt, pipeline_stage_of(mesh))["mean"]
+        for kind, row in out.items():
+            row["all_branches"], row["result_bytes"] = row["result_bytes"], mean[kind]["result_bytes"]
+    return out
+
+
 def pipeline_stage_of(mesh) -> Callable[[int], int]:
     """Device id as the HLO numbers it (its place in mesh.devices) -> its pipeline stage."""
     axis = mesh.axis_names.index("pipeline")
