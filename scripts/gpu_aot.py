@@ -123,10 +123,10 @@ def main() -> int:
           f"{args.config}", flush=True)
     rows = []
     for overrides in args.layout or LAYOUTS:
-        cfg = load_config(args.config, base + overrides.split())
         row = {"layout": overrides}
         t0 = time.perf_counter()
         try:
+            cfg = load_config(args.config, base + overrides.split())
             tr = Trainer(cfg, devices=devices, log=lambda s: None)
             exe = tr.compile()
         except Exception as e:  # a layout that does not compile is the finding: say why, go on
