@@ -1,7 +1,7 @@
 """The platform a program is built for: its mesh's devices, not `jax.default_backend()`.
 
 The two differ when a step is compiled for devices the host process does not run on (a
-deviceless compile for 8 GPUs on a CPU machine: `jaxpar bench gpu-aot`) or when a CPU mesh is
+deviceless compile for 8 GPUs on a CPU machine: scripts/gpu_aot.py) or when a CPU mesh is
 chosen on a GPU machine. What is traced for the program (the attention implementation, bf16 on
 the wire) must follow the devices it will run on."""
 from __future__ import annotations

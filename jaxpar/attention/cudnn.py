@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.attention.xla import segment_mask
 from jaxpar.config import ConfigError
 from jaxpar.manual import axes_left, fully_manual
-from jaxpar.sharding import entry_axes
 from jaxpar.platform import current as target_platform
+from jaxpar.sharding import entry_axes
 
 DTYPES = ("bfloat16", "float16")
 
