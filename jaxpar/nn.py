@@ -224,6 +224,18 @@ def remat_policy(remat: str, never_save: tuple[str, ...] = ()):
 
 
 def _gathers(closed_jaxpr) -> bool:
-    """Whether a custom-vjp body all-gathers (a ZeRO-3 weight gather: never saved)."""
+    """Whether a custom-vjp body all-gathers (a ZeRO-3 weight gather: never saved), also inside
+    the jaxprs it calls: beside tensor each device gathers its own block in a nested shard_map
+    (parallel/data.on_own_block), and under remat "none" the gathered weights were then saved
+    for the backward (every layer's, whole) instead of gathered again."""
     jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
-    return any(e.primitive.name == "all_gather" for e in getattr(jaxpr, "eqns", ()))
+    return any(e.primitive.name == "all_gather" or any(map(_gathers, _called(e)))
+               for e in getattr(jaxpr, "eqns", ()))
+
+
+def _called(eqn):
+    """The jaxprs an equation calls (a shard_map's, a pjit's, a custom vjp's...)."""
+    for p in eqn.params.values():
+        for v in p if isinstance(p, (tuple, list)) else (p,):
+            if hasattr(getattr(v, "jaxpr", v), "eqns"):
+                yield v

@@ -46,11 +46,15 @@ TENSOR = {
     "zero2-dp2-fsdp2-tp2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=2"],
 }
 # ZeRO-3 beside tensor: each device gathers (and in the backward scatters) its own tensor block of
-# each layer's weights (parallel/data.gather_in); remat=full, so the backward gathers again, as
-# the planner models
+# each layer's weights (parallel/data.gather_in), and the backward gathers again under every remat
+# policy, "none" too: there the gathered blocks (made in a nested shard_map) were saved for the
+# backward, every layer's whole, until the remat policy looked inside it (nn._gathers; found on
+# the 1B preset compiled for 8 H200s, docs/benchmarks.md "session 12")
 ZERO3_TENSOR = {
     "zero3-dp2-fsdp2-tp2": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=3",
                             "train.remat=full"],
+    "zero3-dp2-fsdp2-tp2-none": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=3",
+                                 "train.remat=none"],
 }
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
