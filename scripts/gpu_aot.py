@@ -137,7 +137,7 @@ def main() -> int:
         hlo = exe.as_text()
         mem = exe.memory_analysis()
         layout = Layout.of_config(cfg, 8)
-        pred = estimate(cfg, layout, tr.model)
+        pred = estimate(cfg, layout, tr.model, platform="gpu")
         comm = step_collectives(cfg, layout, tr.model, abstract_plan(cfg, layout), platform="gpu")
         try:
             got, row["pipeline_branches_weighted"] = measured_step(cfg, tr.mesh, hlo), True

@@ -34,6 +34,16 @@ Per token and layer (compute dtype bytes c, D model dim, hd head dim, H and K qu
 heads, F the MLP width, t = mesh.tensor, S the sequence length; tensor-parallel parts / t):
     see KEPT: elements of each kind kept per token and layer, measured on XLA:CPU
 D-sized terms are / t as well with sharding.sequence_parallel (as many as without it).
+
+On a GPU (platform "gpu", the cluster's) XLA:GPU's buffer assignment is counted instead where it
+differs (read off the compiled step's live buffers at its peak, 8 H200 deviceless, jax 0.12):
+    cast        the params in the compute dtype (ZeRO-0/1/2), cast once and kept for the backward
+    activations GPU_KEPT: cuDNN attention (no scores), the fused layer's residuals
+    logits      the float32 logits and their compute-dtype copy (the head's output)
+    gathered    ZeRO-3 only: ZeRO-1/2's all-gather writes the donated params in place
+    update      0: it runs after the backward freed the activations
+and the peak is at the loss: the backward's gradient (and a remat's recomputed layer) is made
+after the logits are freed, so the total counts the larger of logits and grads + working.
 """
 from __future__ import annotations
 
@@ -70,6 +80,18 @@ BOUNDARY_TICK = 5
 W_TICK = 1
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
+# XLA:GPU (jax 0.12, cuDNN attention, 8 H200 deviceless, 2026-12-03): what the layer scan
+# stacks per token and layer for the backward, read off the compiled step's live buffers at its
+# peak (the loss). Compute-dtype values: "d" D-sized (full width under tensor), "q" H hd, "kv"
+# K hd each, "mlp" F; "d32" float32 D-sized (the norms' inputs). dots_with_no_batch_dims: the
+# q, k, v, o, gate, up, down projections' outputs; none: also the norms' float32 inputs, the
+# attention output and the SwiGLU parts; full: the layer's input.
+GPU_KEPT = {
+    "none": {"d": 2.0, "d32": 4.0, "q": 3.0, "kv": 2.0, "mlp": 6.0},
+    "dots_with_no_batch_dims_saveable": {"d": 2.0, "d32": 0.0, "q": 1.0, "kv": 2.0, "mlp": 2.0},
+    "full": {"d": 1.0, "d32": 0.0, "q": 0.0, "kv": 0.0, "mlp": 0.0},
+}
+GPU_KEPT["dots_saveable"] = GPU_KEPT["dots_with_no_batch_dims_saveable"]
 
 
 def itemsize(name: str) -> int:
@@ -216,14 +238,56 @@ def w_kept_bytes(cfg: Config, layout: Layout) -> float:
     return out
 
 
-def estimate(cfg: Config, layout: Layout, model, state: dict | None = None) -> dict[str, float]:
+def estimate(cfg: Config, layout: Layout, model, state: dict | None = None,
+             platform: str = "cpu") -> dict[str, float]:
     """Per-device bytes by term (module doc); `model` a jaxpar.train.model.ModelDef of cfg.model;
-    `state`: state_terms of this layout when already known (the search caches them). 'total' is
-    what the compiled step needs: its arguments plus its temporaries."""
+    `state`: state_terms of this layout when already known (the search caches them); `platform`
+    the cluster's (XLA's buffer assignment differs: module doc). 'total' is what the compiled
+    step needs: its arguments plus its temporaries."""
     out = dict(state if state is not None else state_terms(cfg, layout, model))
     out.update(activation_terms(cfg, layout))
+    if platform == "gpu" and layout.size("pipeline") == 1:
+        out.update(gpu_terms(cfg, layout, out))
+        backward = out["grads"] + out["working"]
+        out["total"] = sum(v for k, v in out.items() if k not in ("logits", "grads", "working"))
+        out["total"] += max(out["logits"], backward)  # the loss's peak or the backward's
+        return out
     out["total"] = sum(out.values())
     return out
+
+
+def gpu_terms(cfg: Config, layout: Layout, terms: dict[str, float]) -> dict[str, float]:
+    """XLA:GPU's terms where they differ from XLA:CPU's (module doc), from this layout's `terms`."""
+    t = cfg.train
+    c = itemsize(t.compute_dtype)
+    ms = ModelShape.of(cfg.model)
+    tp = layout.size("tensor")
+    acts_tokens = _tokens(cfg, layout)
+    seqs = acts_tokens / t.seq_len * layout.size("context")
+    tokens = min(acts_tokens, t.loss_chunk * seqs) if t.loss_chunk else acts_tokens  # the loss's
+    k = GPU_KEPT[layout.remat]
+    d = ms.dim / tp if cfg.sharding.sequence_parallel else ms.dim
+    per_layer = (c * (k["d"] * d + (k["q"] * ms.heads + k["kv"] * ms.kv_heads) * ms.head_dim / tp
+                      + k["mlp"] * ms.ffn / tp) + 4 * k["d32"] * d)
+    out = {"activations": acts_tokens * ms.layers * per_layer,
+           "logits": tokens * ms.vocab / tp * (4 + c), "update": 0.0,
+           # the forward's compute-dtype params, live until the backward's last use
+           "cast": terms["params"] / itemsize(t.param_dtype) * c
+           if layout.zero_stage < 3 and c != itemsize(t.param_dtype) else 0.0}
+    if layout.zero_stage < 3:
+        out["gathered"] = 0.0
+    if layout.zero_stage == 1 and layout.size("fsdp") > 1 and layout.micro == 1:
+        # each layer's gradient is reduce-scattered inside the backward, as with ZeRO-2: the step
+        # holds the optimizer's shard of it (update counts that shard's elements in float32)
+        out["grads"] = terms["update"] / (4 * ADAM_TRANSIENT) * state_itemsizes(cfg)["grads"]
+    return out
+
+
+def _tokens(cfg: Config, layout: Layout) -> float:
+    """This device's tokens of one microbatch (its part of each sequence with context)."""
+    t = cfg.train
+    batch_div = math.prod(layout.size(a) for a in cfg.sharding.resolved_rules().get("batch", ()))
+    return t.global_batch / batch_div / layout.micro * t.seq_len / layout.size("context")
 
 
 def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:

@@ -190,7 +190,7 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
             key = (tuple(mesh.values()), layout.zero_stage, layout.micro > 1)
             if key not in state_cache:
                 state_cache[key] = state_terms(cfg, layout, model)
-            mem = estimate(cfg, layout, model, state_cache[key])
+            mem = estimate(cfg, layout, model, state_cache[key], cluster.platform)
             if mem["total"] > budget:
                 result.rejected.setdefault(
                     f"memory: needs more than {HEADROOM:.0%} of {cluster.memory_gib:g} GiB per device",
