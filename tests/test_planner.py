@@ -565,7 +565,7 @@ GPU_COMPILED_GIB = {
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2": 11.21,
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3": 5.48,
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3 train.remat=none": 8.87,
-    "mesh.data=1 mesh.fsdp=4 mesh.tensor=2 sharding.zero_stage=3 train.remat=none": 10.67,
+    "mesh.data=1 mesh.fsdp=4 mesh.tensor=2 sharding.zero_stage=3 train.remat=none": 10.02,  # 10.67 before 278918f
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1": 9.00,
 }
 
