@@ -29,8 +29,10 @@ from jaxpar.platform import current as target_platform
 CUDNN_MAX_HEAD_DIM = 128  # what `auto` trusts cuDNN's flash kernel with (multiples of 8)
 
 
-def implementations(block: int) -> dict[str, Callable]:
-    return {"xla": xla_attention, "cudnn": cudnn_attention,
+def implementations(block: int, layout=None) -> dict[str, Callable]:
+    """name -> fn(q, k, v, segment_ids, *, causal), each with its own options bound (blockwise's
+    tile; cudnn's operand layout inside the step's shard_map)."""
+    return {"xla": xla_attention, "cudnn": functools.partial(cudnn_attention, layout=layout),
             "blockwise": functools.partial(blockwise_attention, block=block)}
 
 
@@ -58,11 +60,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
     cudnn, which runs there with every axis manual."""
     name = resolve(implementation, platform=target_platform(), dtype=q.dtype, seq_len=q.shape[1],
                    head_dim=q.shape[-1], threshold=threshold)
-    fns = implementations(block)
+    fns = implementations(block, layout)
     if name not in fns:
         raise ValueError(f"unknown attention implementation {name!r}; valid: auto, {', '.join(fns)}")
-    if name == "cudnn":
-        return cudnn_attention(q, k, v, segment_ids, causal=causal, layout=layout)
     return fns[name](q, k, v, segment_ids, causal=causal)
 
 
