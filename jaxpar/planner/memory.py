@@ -5,7 +5,8 @@
     grads       the gradient the step holds (ZeRO-2/3: its fsdp shard), in float32 when
                 microbatches are accumulated; plus one microbatch's unsharded gradient with
                 accumulation (ZeRO-2 without a pipeline: of the params outside the layer stack
-                and one layer, the stack's reduce-scattered in the backward layer scan)
+                and one layer, the stack's reduce-scattered in the backward layer scan; ZeRO-3
+                without a pipeline: one microbatch's shard beside the sum)
     update      the optimizer's transients (Adam's update of the optimizer shard, float32)
     gathered    ZeRO-3: the embedding/head and two layers' weights gathered at once; ZeRO-1/2:
                 the updated params, all-gathered from the optimizer's shards
@@ -320,6 +321,10 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
             grad_top += no_fsdp * 4
     if layout.micro > 1 and layout.zero_stage == 2 and layout.size("pipeline") == 1:
         out["grads"] += grad_top + grad_layer  # the stack's scattered in the backward, layer by layer
+    elif layout.micro > 1 and layout.zero_stage == 3 and layout.size("pipeline") == 1:
+        # the gathers' transpose reduce-scatters each layer's gradient in the backward: the
+        # accumulated sum and one microbatch's shard, never an unsharded gradient
+        out["grads"] *= 2
     elif layout.micro > 1 and layout.zero_stage >= 2:
         out["grads"] += grad_full
     if layout.zero_stage >= 3 and layout.size("fsdp") > 1:
