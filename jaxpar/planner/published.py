@@ -30,6 +30,18 @@ SEQ, VOCAB = 2048, 51200
 NO_RECOMPUTE_GAIN = 54.2 / 42.1
 
 
+def gpt_config(hidden: int, heads: int, layers: int, batch: int, vocab: int, tied: bool,
+               base: dict | None = None) -> Config:
+    """A published GPT as a jaxpar model: n_kv_heads = n_heads, a SwiGLU MLP of width 8h/3 (rounded
+    up to a multiple of 128: the 4h MLP's parameters and FLOPs), bf16 compute, fp32 weights."""
+    ffn = -(-8 * hidden // 3 // 128) * 128
+    return make_config({
+        "model": {"vocab_size": vocab, "dim": hidden, "n_layers": layers, "n_heads": heads,
+                  "n_kv_heads": heads, "ffn_dim": ffn, "tie_embeddings": tied, "attention": "blockwise"},
+        "train": {"global_batch": batch, "seq_len": SEQ, "compute_dtype": "bfloat16", "param_dtype": "float32"},
+        "sharding": {"replicated_tolerance": 0.5}, "data": {"source": "synthetic"}, **(base or {})})
+
+
 @dataclass(frozen=True)
 class GPTRun:
     name: str
@@ -54,16 +66,7 @@ class GPTRun:
         return b * s * (6 * (12 * l * h * h + v * h) + 12 * l * h * s)
 
     def config(self, base: dict | None = None) -> Config:
-        ffn = -(-8 * self.hidden // 3 // 128) * 128  # 8h/3, rounded up to a multiple of 128
-        raw = {"model": {"vocab_size": VOCAB, "dim": self.hidden, "n_layers": self.layers,
-                         "n_heads": self.heads, "n_kv_heads": self.heads, "ffn_dim": ffn,
-                         "tie_embeddings": False,
-                         "attention": "blockwise"},
-               "train": {"global_batch": self.batch, "seq_len": SEQ, "compute_dtype": "bfloat16",
-                         "param_dtype": "float32"},
-               "sharding": {"replicated_tolerance": 0.5},
-               "data": {"source": "synthetic"}, **(base or {})}
-        return make_config(raw)
+        return gpt_config(self.hidden, self.heads, self.layers, self.batch, VOCAB, tied=False, base=base)
 
 
 WEAK_SCALING = [
@@ -103,14 +106,7 @@ class ShardedRun:
         return self.batch * SEQ * (6 * self.params + 12 * self.layers * self.hidden * SEQ)
 
     def config(self) -> Config:
-        ffn = -(-8 * self.hidden // 3 // 128) * 128  # the 4h GELU MLP's parameters and FLOPs
-        return make_config({
-            "model": {"vocab_size": MPT_VOCAB, "dim": self.hidden, "n_layers": self.layers,
-                      "n_heads": self.heads, "n_kv_heads": self.heads, "ffn_dim": ffn,
-                      "tie_embeddings": True, "attention": "blockwise"},
-            "train": {"global_batch": self.batch, "seq_len": SEQ, "compute_dtype": "bfloat16",
-                      "param_dtype": "float32"},
-            "sharding": {"replicated_tolerance": 0.5}, "data": {"source": "synthetic"}})
+        return gpt_config(self.hidden, self.heads, self.layers, self.batch, MPT_VOCAB, tied=True)
 
 
 # sequence 2048, bf16, FULL_SHARD; one node of A100-80GB, and 32 to 128 A100-40GB
