@@ -255,22 +255,15 @@ def test_megatron_weak_scaling_best_plans_within_20_percent(run):
 WIDE = [r for r in FULL_SHARD if r.hidden >= 1536]  # the Megatron table's widths are 2304 and up
 
 
-@pytest.mark.parametrize("run", [r for r in WIDE if r.gpus == 8], ids=lambda r: f"{r.name}@{r.gpus}")
-def test_full_shard_in_a_node_within_20_percent(run):
-    """llm-foundry's MPT benchmarks (PyTorch FSDP FULL_SHARD, bf16, seq 2048, one node of 8
-    A100-80GB; docs/planner.md): the cost model's MFU for the same layout (fsdp 8, ZeRO-3, no
-    remat, the planner's accumulation) is within 20% of the published MFU, 760m to 13b."""
+@pytest.mark.parametrize("run", WIDE, ids=lambda r: f"{r.name}@{r.gpus}")
+def test_full_shard_runs_within_20_percent(run):
+    """llm-foundry's MPT benchmarks (PyTorch FSDP FULL_SHARD, bf16, seq 2048; one node of 8
+    A100-80GB, and 32-128 A100-40GB with PURE mixed precision: bf16 gradient reductions;
+    docs/planner.md): the cost model's MFU for the same layout (fsdp over every GPU, ZeRO-3, no
+    remat, the run's reduction dtype, the planner's accumulation) is within 20% of the published
+    MFU on every row from h 1536 (760m to 13b)."""
     r = check_sharded_run(run)
     assert "residual" in r and abs(r["residual"]) <= 0.20, r
-
-
-@pytest.mark.parametrize("run", [r for r in WIDE if r.gpus > 8], ids=lambda r: f"{r.name}@{r.gpus}")
-def test_full_shard_across_nodes_within_30_percent(run):
-    """The same across 4 to 16 nodes (fsdp over every GPU): 760m and 1b within 16%, 3b 27% under
-    (its ZeRO-3 gathers and scatters over RoCE counted exposed beyond the preset's gather
-    overlap; docs/planner.md). Within 30%, and never over the published figure by more than 10%."""
-    r = check_sharded_run(run)
-    assert "residual" in r and -0.30 <= r["residual"] <= 0.10, r
 
 
 def test_dataflow_clock_is_megatrons_bubble():

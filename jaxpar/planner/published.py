@@ -31,14 +31,16 @@ NO_RECOMPUTE_GAIN = 54.2 / 42.1
 
 
 def gpt_config(hidden: int, heads: int, layers: int, batch: int, vocab: int, tied: bool,
-               base: dict | None = None) -> Config:
+               reduce_dtype: str = "float32", base: dict | None = None) -> Config:
     """A published GPT as a jaxpar model: n_kv_heads = n_heads, a SwiGLU MLP of width 8h/3 (rounded
-    up to a multiple of 128: the 4h MLP's parameters and FLOPs), bf16 compute, fp32 weights."""
+    up to a multiple of 128: the 4h MLP's parameters and FLOPs), bf16 compute, fp32 weights,
+    gradients reduced in `reduce_dtype`."""
     ffn = -(-8 * hidden // 3 // 128) * 128
     return make_config({
         "model": {"vocab_size": vocab, "dim": hidden, "n_layers": layers, "n_heads": heads,
                   "n_kv_heads": heads, "ffn_dim": ffn, "tie_embeddings": tied, "attention": "blockwise"},
-        "train": {"global_batch": batch, "seq_len": SEQ, "compute_dtype": "bfloat16", "param_dtype": "float32"},
+        "train": {"global_batch": batch, "seq_len": SEQ, "compute_dtype": "bfloat16", "param_dtype": "float32",
+                  "grad_reduce_dtype": reduce_dtype},
         "sharding": {"replicated_tolerance": 0.5}, "data": {"source": "synthetic"}, **(base or {})})
 
 
@@ -100,13 +102,17 @@ class ShardedRun:
     mfu: float
     params: int      # as published (the tied embedding and the learned positions included)
     card: str        # a100_80gb or a100_40gb (the same compute and links; timed on the 80 GB preset)
+    # Composer's FSDP mixed precision as published: DEFAULT (these 80 GB rows; float32 gradient
+    # reduction in its current definition) or PURE (the 40 GB rows: bf16 gathers and reductions)
+    mixed: str = "DEFAULT"
 
     def model_flops(self) -> float:
         """FLOPs per step by llm-foundry's MFU formula (forward and backward, no recompute)."""
         return self.batch * SEQ * (6 * self.params + 12 * self.layers * self.hidden * SEQ)
 
     def config(self) -> Config:
-        return gpt_config(self.hidden, self.heads, self.layers, self.batch, MPT_VOCAB, tied=True)
+        return gpt_config(self.hidden, self.heads, self.layers, self.batch, MPT_VOCAB, tied=True,
+                          reduce_dtype="bfloat16" if self.mixed == "PURE" else "float32")
 
 
 # sequence 2048, bf16, FULL_SHARD; one node of A100-80GB, and 32 to 128 A100-40GB
@@ -118,14 +124,14 @@ FULL_SHARD = [
     ShardedRun("3b", 2560, 20, 32, 8, 160, False, 62.11, 2651837440, "a100_80gb"),
     ShardedRun("7b", 4096, 32, 32, 8, 96, False, 64.23, 6658859008, "a100_80gb"),
     ShardedRun("13b", 5120, 40, 40, 8, 48, False, 59.57, 12853954560, "a100_80gb"),
-    ShardedRun("760m", 1536, 12, 24, 32, 384, False, 51.97, 760470528, "a100_40gb"),
-    ShardedRun("760m", 1536, 12, 24, 128, 1536, False, 50.73, 760470528, "a100_40gb"),
-    ShardedRun("1b", 2048, 16, 24, 32, 320, False, 45.39, 1315950592, "a100_40gb"),
-    ShardedRun("1b", 2048, 16, 24, 64, 640, False, 55.44, 1315950592, "a100_40gb"),
-    ShardedRun("1b", 2048, 16, 24, 128, 1280, False, 54.41, 1315950592, "a100_40gb"),
-    ShardedRun("3b", 2560, 20, 32, 32, 192, False, 56.96, 2651837440, "a100_40gb"),
-    ShardedRun("3b", 2560, 20, 32, 64, 384, False, 55.94, 2651837440, "a100_40gb"),
-    ShardedRun("3b", 2560, 20, 32, 128, 768, False, 54.80, 2651837440, "a100_40gb"),
+    ShardedRun("760m", 1536, 12, 24, 32, 384, False, 51.97, 760470528, "a100_40gb", "PURE"),
+    ShardedRun("760m", 1536, 12, 24, 128, 1536, False, 50.73, 760470528, "a100_40gb", "PURE"),
+    ShardedRun("1b", 2048, 16, 24, 32, 320, False, 45.39, 1315950592, "a100_40gb", "PURE"),
+    ShardedRun("1b", 2048, 16, 24, 64, 640, False, 55.44, 1315950592, "a100_40gb", "PURE"),
+    ShardedRun("1b", 2048, 16, 24, 128, 1280, False, 54.41, 1315950592, "a100_40gb", "PURE"),
+    ShardedRun("3b", 2560, 20, 32, 32, 192, False, 56.96, 2651837440, "a100_40gb", "PURE"),
+    ShardedRun("3b", 2560, 20, 32, 64, 384, False, 55.94, 2651837440, "a100_40gb", "PURE"),
+    ShardedRun("3b", 2560, 20, 32, 128, 768, False, 54.80, 2651837440, "a100_40gb", "PURE"),
 ]
 
 
