@@ -39,8 +39,8 @@ def gpt_config(hidden: int, heads: int, layers: int, batch: int, vocab: int, tie
     return make_config({
         "model": {"vocab_size": vocab, "dim": hidden, "n_layers": layers, "n_heads": heads,
                   "n_kv_heads": heads, "ffn_dim": ffn, "tie_embeddings": tied, "attention": "blockwise"},
-        "train": {"global_batch": batch, "seq_len": SEQ, "compute_dtype": "bfloat16", "param_dtype": "float32",
-                  "grad_reduce_dtype": reduce_dtype},
+        "train": {"global_batch": batch, "seq_len": SEQ, "compute_dtype": "bfloat16",
+                  "param_dtype": "float32", "grad_reduce_dtype": reduce_dtype},
         "sharding": {"replicated_tolerance": 0.5}, "data": {"source": "synthetic"}, **(base or {})})
 
 
