@@ -135,22 +135,30 @@ FULL_SHARD = [
 ]
 
 
+def _planning(cfg: Config, cluster_name: str, gpus: int):
+    """The config, the cluster preset at `gpus` devices and the model a published row is planned on."""
+    from jaxpar.planner.cluster import load_cluster
+    from jaxpar.train.builtin import llama_model_factory
+    from jaxpar.train.model import ModelDef
+    return cfg, load_cluster(cluster_name).with_devices(gpus), ModelDef.from_factory(llama_model_factory(cfg))
+
+
+def _mfu(flops: float, scored, gpus: int, cluster) -> float:
+    """Model FLOPs utilization (percent) of `flops` a step at the scored plan's predicted step time."""
+    return 100 * flops / scored.time.step_s / gpus / cluster.peak("bfloat16")
+
+
 def check_sharded_run(run: ShardedRun, cluster_name: str = "a100_80gb_x8") -> dict:
     """For one FULL_SHARD row: the cost model's MFU for its layout (fsdp over every GPU, ZeRO-3,
     its remat; the planner picks the accumulation that fits) against the published MFU."""
-    from jaxpar.planner.cluster import load_cluster
     from jaxpar.planner.search import search
-    from jaxpar.train.builtin import llama_model_factory
-    from jaxpar.train.model import ModelDef
-    cfg = run.config()
-    cluster = load_cluster(cluster_name).with_devices(run.gpus)
-    model = ModelDef.from_factory(llama_model_factory(cfg))
+    cfg, cluster, model = _planning(run.config(), cluster_name, run.gpus)
     res = search(cfg, cluster, model, fixed={"fsdp": run.gpus},
                  options_fixed={"zero_stage": 3, "remat": "full" if run.remat else "none"})
     out = {"run": f"{run.name}@{run.gpus}", "published_mfu": run.mfu}
     if res.ranked:
         best = res.ranked[0]
-        mfu = 100 * run.model_flops() / best.time.step_s / run.gpus / cluster.peak("bfloat16")
+        mfu = _mfu(run.model_flops(), best, run.gpus, cluster)
         out.update(plan=best.layout.label(), predicted_mfu=mfu, residual=mfu / run.mfu - 1,
                    memory_gib=best.memory["total"] / 2**30)
     return out
@@ -187,13 +195,8 @@ def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8", free: bool = True
     planner's free choice: its best plan, whether it keeps tensor parallelism inside a node and
     fits, and its predicted FLOP/s in the paper's units, beside the published measurement it is
     held to (`reference`) (`free` False: the paper's layout only)."""
-    from jaxpar.planner.cluster import load_cluster
     from jaxpar.planner.search import search
-    from jaxpar.train.builtin import llama_model_factory
-    from jaxpar.train.model import ModelDef
-    cfg = run.config()
-    cluster = load_cluster(cluster_name).with_devices(run.gpus)
-    model = ModelDef.from_factory(llama_model_factory(cfg))
+    cfg, cluster, model = _planning(run.config(), cluster_name, run.gpus)
     tflops = lambda scored: run.megatron_flops() / scored.time.step_s / run.gpus / 1e12
     fixed = {"tensor": run.tensor, "pipeline": run.pipeline, "fsdp": 1}
     paper_opts = {"remat": "full", "zero_stage": 0, "recompute": False}
@@ -221,7 +224,7 @@ def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8", free: bool = True
                    tensor_in_node=lay.size("tensor") <= cluster.devices_per_host and "tensor" not in lay.dcn,
                    memory_gib=best.memory["total"] / 2**30, fits=best.memory["total"] <= cluster.memory_bytes,
                    best_tflops=tflops(best), best_recomputes=recomputes(lay),
-                   best_mfu=100 * run.model_flops() / best.time.step_s / run.gpus / cluster.peak("bfloat16"),
+                   best_mfu=_mfu(run.model_flops(), best, run.gpus, cluster),
                    **reference(run, lay, cluster))
     return out
 
