@@ -2,6 +2,7 @@
 
 - `param(...)`: an `nnx.Param` whose dims carry logical names (metadata `axes`).
 - `constrain(x, axes)`: an activation sharding hint by logical names.
+- `project(spec, x, w)`: an activation x times a weight w, by an einsum spec (every projection).
 - `experts(x, idx, gates, ffn, ragged_ffn, ...)`: mixture-of-experts dispatch -> expert MLPs ->
   combine; a plain local computation, or an all_to_all over the expert devices in a step.
 - `attention(q, k, v, segment_ids, implementation=...)`: causal (GQA) attention by one of
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar import attention as attention_ops
-from jaxpar.sharding import vary_together
+from jaxpar.sharding import varying_axes, vary_together
 
 AxisNames = tuple[str | None, ...]
 Q_AXES: AxisNames = ("batch", "seq", "heads", "head_dim")  # attention's q and output
@@ -108,6 +110,47 @@ def constrain(x: jax.Array, axes: AxisNames) -> jax.Array:
     return _CTX.get().constrain(x, axes)
 
 
+def project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum(spec, x, w): activations x times a weight w, e.g. "bsd,df->bsf". The same math as
+    the einsum, forward and backward; only the weight's gradient is formed differently: in w's
+    own dim order, einsum(x, g) -> w. JAX's transpose of a dot forms it in the order (output
+    dims, input dims) and then transposes it; XLA:CPU folds that transpose into the dot, leaving
+    both of its operands transposed, which its library dots (YNNPACK) do not take: every weight
+    gradient of the MLP and head then ran in XLA's own dot loops, ~10% of a float32 step
+    (docs/benchmarks.md, session 14). A dim of w must appear in x or in the output."""
+    return _project(spec, x, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _project(spec, x, w):
+    return jnp.einsum(spec, x, w)
+
+
+def _project_fwd(spec, x, w):
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _project_bwd(spec, res, g):
+    x, w = res
+    ins, out = spec.split("->")
+    xs, ws = ins.split(",")
+    dx = jnp.einsum(f"{out},{ws}->{xs}", g, w)
+    dw = jnp.einsum(f"{xs},{out}->{ws}", x, g)
+    return _like_primal(dx, x), _like_primal(dw, w)
+
+
+def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent typed as its primal: its dtype, and inside a shard_map summed over the manual
+    axes it varies over and the primal does not (what JAX's own transpose of the implicit
+    broadcast does: a weight replicated over `data` gets the sum of the devices' gradients)."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    ct = jax.lax.psum(ct, extra) if extra else ct
+    return ct.astype(primal.dtype)
+
+
+_project.defvjp(_project_fwd, _project_bwd)
+
+
 def experts(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable, ragged_ffn: Callable,
             **kw) -> tuple[jax.Array, jax.Array]:
     """Mixture-of-experts MLP of tokens x [groups, seq, embed] routed to experts `expert_idx`
@@ -143,7 +186,7 @@ def head(x: jax.Array, w: jax.Array):
     fn = _CTX.get().head
     if fn is not None:
         return fn(x, w)
-    return constrain(jnp.einsum("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))
+    return constrain(project("bsd,dv->bsv", x, w), ("batch", "seq", "vocab"))
 
 
 @contextlib.contextmanager

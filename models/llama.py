@@ -111,9 +111,9 @@ class Block(nnx.Module):
         # a sequence-split residual stream's split through the q and k projections (gathering
         # wq and wk whole) and resharded q and k by all-to-alls after RoPE
         q_axes, kv_axes = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-        q = constrain(jnp.einsum("bsd,dhk->bshk", h, self.wq[...]), q_axes)
-        k = constrain(jnp.einsum("bsd,dhk->bshk", h, self.wk[...]), kv_axes)
-        v = constrain(jnp.einsum("bsd,dhk->bshk", h, self.wv[...]), kv_axes)
+        q = constrain(nn.project("bsd,dhk->bshk", h, self.wq[...]), q_axes)
+        k = constrain(nn.project("bsd,dhk->bshk", h, self.wk[...]), kv_axes)
+        v = constrain(nn.project("bsd,dhk->bshk", h, self.wv[...]), kv_axes)
         return constrain(apply_rope(q, cos, sin), q_axes), constrain(apply_rope(k, cos, sin), kv_axes), v
 
     def attention(self, h: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -122,13 +122,13 @@ class Block(nnx.Module):
         o = nn.attention(q, k, v, segment_ids, implementation=self.attn_impl, block=self.attn_block,
                          threshold=self.attn_threshold)
         o = constrain(o, ("batch", "seq", "heads", "head_dim"))
-        return jnp.einsum("bshk,hkd->bsd", o, self.wo[...])
+        return nn.project("bshk,hkd->bsd", o, self.wo[...])
 
     def mlp(self, h: jax.Array) -> jax.Array:
-        g = jnp.einsum("bsd,df->bsf", h, self.w_gate[...])
-        u = jnp.einsum("bsd,df->bsf", h, self.w_up[...])
+        g = nn.project("bsd,df->bsf", h, self.w_gate[...])
+        u = nn.project("bsd,df->bsf", h, self.w_up[...])
         a = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
-        return jnp.einsum("bsf,fd->bsd", a, self.w_down[...])
+        return nn.project("bsf,fd->bsd", a, self.w_down[...])
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -147,7 +147,7 @@ class Block(nnx.Module):
         # query i (at pos + i) sees the cached keys 0..pos + i: causal, and blind to unwritten slots
         seen = jnp.arange(ck.shape[1])[None, :] <= pos + jnp.arange(x.shape[1])[:, None]
         o = jax.nn.dot_product_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), mask=seen[None, None])
-        return x + jnp.einsum("bshk,hkd->bsd", o, self.wo[...]), {"k": ck, "v": cv}
+        return x + nn.project("bshk,hkd->bsd", o, self.wo[...]), {"k": ck, "v": cv}
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: dict, pos: jax.Array):
         """One layer on tokens at positions pos.., attending to the cache: (x, the new cache)."""

@@ -51,10 +51,10 @@ AUX_KEYS = ("lb", "z", "dropped", "load")
 
 def swiglu_experts(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """h [experts, tokens, embed] through each expert's own SwiGLU."""
-    g = jnp.einsum("etd,edf->etf", h, w_gate)
-    u = jnp.einsum("etd,edf->etf", h, w_up)
+    g = nn.project("etd,edf->etf", h, w_gate)
+    u = nn.project("etd,edf->etf", h, w_up)
     a = constrain(jax.nn.silu(g) * u, ("expert", None, "mlp"))
-    return jnp.einsum("etf,efd->etd", a, w_down)
+    return nn.project("etf,efd->etd", a, w_down)
 
 
 def swiglu_ragged(rows: jax.Array, sizes: jax.Array, w_gate, w_up, w_down) -> jax.Array:
@@ -116,7 +116,7 @@ class MoE(nnx.Module):
     def route(self, h: jax.Array):
         """(router logits [B, S, E] f32, probs, expert_idx [B, S, k], gates [B, S, k])."""
         m = self.moe
-        logits = jnp.einsum("bsd,de->bse", h.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        logits = nn.project("bsd,de->bse", h.astype(jnp.float32), self.router[...].astype(jnp.float32))
         probs = jax.nn.softmax(logits, axis=-1)
         top_p, idx = jax.lax.top_k(probs, m.top_k)
         normalize = m.top_k > 1 if m.normalize_gates is None else m.normalize_gates
@@ -140,10 +140,10 @@ class MoE(nnx.Module):
             num_experts=m.num_experts, dispatch=dispatch or m.dispatch, capacity_factor=m.capacity_factor,
             token_weights=token_weights)
         if m.shared_expert:
-            g = jnp.einsum("bsd,df->bsf", h, self.shared_gate[...])
-            u = jnp.einsum("bsd,df->bsf", h, self.shared_up[...])
+            g = nn.project("bsd,df->bsf", h, self.shared_gate[...])
+            u = nn.project("bsd,df->bsf", h, self.shared_up[...])
             a = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
-            y = y + jnp.einsum("bsf,fd->bsd", a, self.shared_down[...])
+            y = y + nn.project("bsf,fd->bsd", a, self.shared_down[...])
         w = token_weights
         load = (jax.nn.one_hot(idx, m.num_experts, dtype=jnp.float32).mean(axis=(0, 1, 2)) if w is None
                 else expert_fraction(idx, m.num_experts, w).mean(0))

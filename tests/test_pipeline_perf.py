@@ -24,6 +24,11 @@ def weight_matmul_flops() -> float:
     return 2 * tokens * weights
 
 
+# the stage's last projection (w_down, 2 x 128 tokens x 128 x 384): a recomputing backward does
+# not run it again (its output feeds no gradient: XLA removes it as dead code)
+LAST_PROJECTION = 2 * 128 * 128 * 384
+
+
 def stage_forward_flops() -> float:
     """The matmul FLOPs of that layer's forward: its weight matmuls, the attention scores and
     the weighted values."""
@@ -42,7 +47,7 @@ def test_no_recompute_drops_one_stage_forward_per_backward(flops):
     last projection's output: XLA removes it as dead code), so the saving lies between a
     forward without its last projection (w_down, 2 x 128 x 128 x 384) and a whole one."""
     again, stash, fwd = flops[True], flops[False], stage_forward_flops()
-    last = 2 * 128 * 128 * 384
+    last = LAST_PROJECTION
     for code in (B_MID, B_FIRST):
         assert fwd - last - 0.05 * fwd <= again[code] - stash[code] <= 1.05 * fwd, code
         # what is left is the backward: twice the forward's matmuls
@@ -67,7 +72,7 @@ def test_step_flops_drop_by_one_stage_forward_per_microbatch(flops):
     saved = m * (p - 1) * (flops[True][B_MID] - flops[False][B_MID])
     moved = m * (flops[True][B_LAST] - flops[False][B_LAST])
     assert step(True) - step(False) == pytest.approx(saved + moved, rel=0.02)
-    assert saved >= 0.8 * m * (p - 1) * stage_forward_flops()
+    assert saved >= 0.95 * m * (p - 1) * (stage_forward_flops() - LAST_PROJECTION)
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])

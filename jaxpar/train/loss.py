@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.nn import project
 from jaxpar.train.sown import add_sown
 
 
@@ -35,7 +36,7 @@ class DeferredLogits:
         b, s, d = self.x.shape
         n = s // self.chunk
         split = lambda a: a.reshape(b, n, self.chunk, *a.shape[2:]).swapaxes(0, 1)
-        logits = lambda x, w: jnp.einsum("bsd,dv->bsv", x, w)
+        logits = lambda x, w: project("bsd,dv->bsv", x, w)
         if weights is None:
             one = jax.checkpoint(lambda x, t, w: sum_fn(logits(x, w), t))
             return jax.lax.map(lambda xt: one(xt[0], xt[1], self.w), (split(self.x), split(targets))).sum()
