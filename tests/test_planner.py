@@ -579,10 +579,11 @@ def test_calibrate_writes_a_loadable_description(tmp_path):
 #   PYTHONPATH=. python scripts/gpu_aot.py --layout "<layout>" --json F   (argument_gib + temp_gib)
 # The reference comes from the compiler, not from the planner.
 GPU_COMPILED_GIB = {
-    "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=1": 11.21,
+    # 2026-12-05 (nn.project's weight gradients; 11.21 before): 10.99; the other rows unchanged
+    "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=1": 10.99,
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=1 train.remat=none": 14.47,
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=1 train.remat=full": 9.68,
-    "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2": 11.21,
+    "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=2": 10.99,
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3": 5.48,
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3 train.remat=none": 8.87,
     "mesh.data=1 mesh.fsdp=4 mesh.tensor=2 sharding.zero_stage=3 train.remat=none": 10.02,  # 10.67 before 278918f
