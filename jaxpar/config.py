@@ -527,10 +527,11 @@ class XlaConfig(Strict):
     replaces it (e.g. `--xla_gpu_enable_while_loop_double_buffering=false`)."""
 
     gpu_overlap: bool = True
-    # XLA:CPU's default dot library (YNNPACK) cannot take a bf16 dot whose left operand is
-    # transposed (every weight gradient x^T dy once XLA folds the transpose into the dot): such
-    # dots fall back to a naive loop, 2-3x slower steps in bf16. oneDNN takes them all.
-    # auto: oneDNN when train.compute_dtype is 16-bit (in float32 XLA's default is faster).
+    # The dot library of XLA:CPU. auto: oneDNN when train.compute_dtype is 16-bit (measured
+    # faster in bf16 than XLA's default, YNNPACK, on CPUs with and without bf16 instructions),
+    # XLA's default in float32 (faster there). YNNPACK takes every dot of the step since the
+    # projections form their weight gradients in the weight's order (nn.project); before, JAX's
+    # transposed form fell to a naive loop (bf16 steps 2-3x slower).
     # An option of the step's compile (jaxpar.xla.compiler_options), not of XLA_FLAGS.
     cpu_dots: Literal["auto", "onednn", "default"] = "auto"
     # XLA:CPU allocates each step's temporaries afresh: glibc serves a block above its mmap

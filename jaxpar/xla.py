@@ -33,8 +33,8 @@ GPU_OVERLAP_FLAGS = {
 # the boolean.
 PIPELINED_COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 PIPELINE_MODE_SINCE = (0, 11, 2)
-# Dots on XLA:CPU through oneDNN (see XlaConfig.cpu_dots): YNNPACK, the default, leaves bf16
-# dots with a transposed left operand (the weight gradients) to a naive loop. Per program (a
+# Dots on XLA:CPU through oneDNN (see XlaConfig.cpu_dots): faster than YNNPACK, the default, for
+# bf16 steps on CPUs with and without bf16 instructions (docs/benchmarks.md). Per program (a
 # compile option, not XLA_FLAGS): a script that made JAX computations before its Trainer, or
 # trains float32 and bf16 in one process, still gets each step's own dots. jaxlib >= 0.10.2.
 CPU_ONEDNN_DOTS = {
