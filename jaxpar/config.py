@@ -348,6 +348,12 @@ class TrainConfig(Strict):
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     remat: Literal[REMAT_POLICIES + ("auto",)] = "none"  # jaxpar.nn.REMAT_POLICIES; auto: the planner's
+    # float16 compute differentiates the loss times a scale, so that the backward's small float16
+    # gradients survive (jaxpar/train/loss_scale.py): auto (dynamic with float16, else none),
+    # dynamic (halved on an overflow, whose update is skipped; doubled after loss_scale_window
+    # finite steps), none, or a number (a static scale).
+    loss_scale: Literal["auto", "dynamic", "none"] | float = "auto"
+    loss_scale_window: int = Field(1000, gt=0)
     # The loss over chunks of this many tokens (train/loss.DeferredLogits): the float32
     # [batch, seq, vocab] logits never exist at once (4 GB per 8K-token sequence at vocab 128K).
     loss_chunk: int | None = Field(None, gt=0)
@@ -370,6 +376,16 @@ class TrainConfig(Strict):
         if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
             return v
         raise ValueError("train.grad_accum must be a positive integer (microbatches per step) or auto")
+
+    @field_validator("loss_scale", mode="before")
+    @classmethod
+    def _loss_scale(cls, v: Any) -> Any:
+        if v in ("auto", "dynamic", "none"):
+            return v
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"):
+            return float(v)
+        raise ValueError(f"train.loss_scale={v!r} is not valid: use auto, dynamic, none or a positive "
+                         f"number (a static scale, e.g. 1024)")
 
     @model_validator(mode="after")
     def _loss_chunk(self) -> "TrainConfig":

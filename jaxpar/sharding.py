@@ -263,7 +263,9 @@ def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...
         listing = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for n, b in worst)
         raise ConfigError(
             f"{frac:.1%} of parameter bytes are replicated, above sharding.replicated_tolerance="
-            f"{plan.replicated_tolerance}; largest: {listing}. Check sharding.rules for their axes."
+            f"{plan.replicated_tolerance}; largest: {listing}. Shard them with sharding.rules (their "
+            f"logical axes to mesh axes), or accept it with sharding.replicated_tolerance="
+            f"{math.ceil(frac * 100) / 100:.2f} (a fraction of the bytes, 0-1)"
         )
     return report
 

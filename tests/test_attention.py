@@ -220,6 +220,22 @@ def test_blockwise_in_bfloat16_is_close_to_xla():
     assert_close(out, numpy_attention(q, k, v), rtol=2e-2)
 
 
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_float16_attention_compiles_and_is_close_to_numpy(impl):
+    """jax's XLA attention asks for float16 dots with float32 accumulation by name, which XLA:CPU
+    refused when the step lowered (train.compute_dtype=float16 ended in a traceback)."""
+    q, k, v, do = inputs(4, 2, dtype=jnp.float16)
+    fn = xla_attention if impl == "xla" else functools.partial(blockwise_attention, block=16)
+    def run(q, k, v, do):  # jitted: eagerly, jax falls back to its default dots
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, jnp.asarray(SEGMENTS)), q, k, v)
+        return out, vjp(do)
+    out, (dq, _, _) = jax.jit(run)(q, k, v, do)
+    assert out.dtype == dq.dtype == jnp.float16
+    assert_close(out, numpy_attention(q, k, v, SEGMENTS), rtol=5e-3)
+    _, (dq_ref, _, _) = value_and_grads("xla", segments=True)(*(x.astype(jnp.float32) for x in (q, k, v, do)))
+    assert_close(dq, dq_ref, rtol=5e-3)
+
+
 # --------------------------------------------------------------------------- choosing one
 
 def test_auto_picks_cudnn_on_gpu_in_16_bit_else_blockwise_from_the_threshold():

@@ -1,11 +1,13 @@
 """Bad input gets a clear error naming the field, the value and what is valid."""
+import re
+
 import pytest
 
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, load_config, make_config
 from jaxpar.mesh import build_mesh, resolve_sizes
 from jaxpar.train.trainer import Trainer
-from tests.conftest import tiny_config
+from tests.conftest import TINY, tiny_config
 
 
 def test_mesh_product_mismatch(devices):
@@ -64,8 +66,13 @@ def test_dim_not_divisible_names_param(devices):
 def test_replicated_tolerance(devices):
     cfg = tiny_config("mesh.data=4", "mesh.tensor=2", "sharding.rules.mlp=[]", "sharding.rules.heads=[]",
                       "sharding.rules.kv_heads=[]", "sharding.rules.vocab=[]")
-    with pytest.raises(ConfigError, match=r"replicated, above sharding.replicated_tolerance=0.05; largest: "):
+    with pytest.raises(ConfigError, match=r"replicated, above sharding.replicated_tolerance=0.05; largest: ") as e:
         Trainer(cfg, devices=devices)
+    # the error's own suggestion is a tolerance that accepts this layout
+    suggested = re.search(r"accept it with (sharding.replicated_tolerance=[0-9.]+)", str(e.value)).group(1)
+    Trainer(make_config({}, [*TINY, "mesh.data=4", "mesh.tensor=2", "sharding.rules.mlp=[]",
+                             "sharding.rules.heads=[]", "sharding.rules.kv_heads=[]", "sharding.rules.vocab=[]",
+                             suggested]), devices=devices, log=lambda s: None)
 
 
 def test_unknown_mesh_axis_in_rules():

@@ -3,6 +3,7 @@ float32 [batch, heads, seq, seq] scores; segment ids become a boolean [batch, 1,
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
@@ -12,6 +13,14 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
                   causal: bool = True) -> jax.Array:
-    """q [b, s, heads, d], k and v [b, s, kv_heads, d] -> [b, s, heads, d]."""
+    """q [b, s, heads, d], k and v [b, s, kv_heads, d] -> [b, s, heads, d].
+
+    float16 runs in float32 and comes back in float16: jax's XLA attention asks for float16 dots
+    with float32 accumulation by name (DotAlgorithmPreset.F16_F16_F32), which XLA:CPU (and TPU)
+    refuse when the step lowers (jax 0.12.0.1: "not supported by dot_general on CPU"). float16
+    values are exact in float32, so the scores are those of that preset."""
+    if q.dtype == jnp.float16:
+        up = lambda x: x.astype(jnp.float32)
+        return xla_attention(up(q), up(k), up(v), segment_ids, causal=causal).astype(q.dtype)
     mask = None if segment_ids is None else segment_mask(segment_ids)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")

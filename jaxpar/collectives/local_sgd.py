@@ -101,9 +101,9 @@ class LocalSGD(GradientSync):
 
     def wrap(self, local_grads):
         """The shard_map body on replica-stacked params: squeeze this replica's row, add it back."""
-        def body(params, tokens, comm, extra):
+        def body(params, *inputs):
             params = jax.tree.map(lambda p: p[0], params)
-            loss, grads, comm = local_grads(params, tokens, comm, extra)
+            loss, grads, comm = local_grads(params, *inputs)
             return loss, jax.tree.map(lambda g: g[None], grads), comm
         return body
 

@@ -71,17 +71,20 @@ class MicrobatchLoss:
     sum_fn: Callable[..., jax.Array]
     n_tokens: int | jax.Array
     share: float
+    scale: jax.Array | None = None  # train.loss_scale: the value to differentiate is scaled by it
 
     @classmethod
     def for_batch(cls, sum_fn, local_tokens_shape: tuple[int, int], devices: int, microbatches: int,
-                  n_tokens: jax.Array | None = None, sequence_shards: int = 1):
+                  n_tokens: jax.Array | None = None, sequence_shards: int = 1,
+                  scale: jax.Array | None = None):
         """`local_tokens_shape`: this device's [batch, seq + 1] (all its microbatches, whole
         sequences); `n_tokens`: the counted targets when they are not all of them (packed
         documents)."""
         batch, seq1 = local_tokens_shape
         n = batch * (seq1 - 1) * devices if n_tokens is None else n_tokens
-        return cls(sum_fn, n, 1.0 / (devices * microbatches * sequence_shards))
+        return cls(sum_fn, n, 1.0 / (devices * microbatches * sequence_shards), scale)
 
     def __call__(self, logits: jax.Array, rows, sown: dict):
         total = token_loss_sum(self.sum_fn, logits, rows.targets, rows.weights)
-        return add_sown(total / self.n_tokens, sown, self.share)
+        value, aux = add_sown(total / self.n_tokens, sown, self.share)
+        return (value if self.scale is None else value * self.scale), aux

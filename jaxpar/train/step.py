@@ -29,6 +29,7 @@ from jaxpar.train.batch import Batch, Documents
 from jaxpar.train.forward import make_forward
 from jaxpar.train.gradient_sync import make_sync
 from jaxpar.train.loss import MicrobatchLoss, cross_entropy_sum
+from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.model import ModelDef
 from jaxpar.train.optimizer import schedule_count
 from jaxpar.train.precision import DTYPES
@@ -45,6 +46,7 @@ class StepSpec:
     batch_sharding: NamedSharding
     sync: GradientSync
     batch_layout: ContextParallel = ContextParallel()  # the loader's row layout (columns over context)
+    loss_scale: LossScale = LossScale()  # train.loss_scale (its state, when dynamic, in the train state)
 
 
 def _is_axes(x) -> bool:
@@ -53,7 +55,8 @@ def _is_axes(x) -> bool:
 
 def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation, compression: Any = None,
                    optimizer: Any = None, local_sgd: Any = None,
-                   grad_reduce_dtype: str = "float32", grad_accum: int = 1, context: Any = None) -> StepSpec:
+                   grad_reduce_dtype: str = "float32", grad_accum: int = 1, context: Any = None,
+                   loss_scale: LossScale = LossScale()) -> StepSpec:
     """The step's shardings. `context` (config.ContextConfig): under mesh.context the loader
     lays each row out in its devices' columns (parallel/context.loader_split)."""
     specs = {use: jax.tree.map(lambda ax, s, use=use: plan.spec(ax, s.shape, use), model.axes, model.shapes,
@@ -66,9 +69,10 @@ def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation
     sync = make_sync(model, plan, specs, compression=compression, optimizer=optimizer, local_sgd=local_sgd,
                      wire_dtype=DTYPES[grad_reduce_dtype], accumulating=grad_accum > 1)
     shardings = sync.state_shardings({"step": to_sh(P()), "opt_state": opt_shardings,
-                                      "params": jax.tree.map(to_sh, specs["param"], is_leaf=is_spec)})
+                                      "params": jax.tree.map(to_sh, specs["param"], is_leaf=is_spec),
+                                      **jax.tree.map(to_sh, loss_scale.state_specs(), is_leaf=is_spec)})
     layout, batch_sharding = loader_split(plan, context)
-    return StepSpec(specs["param"], specs["grad"], shardings, batch_sharding, sync, layout)
+    return StepSpec(specs["param"], specs["grad"], shardings, batch_sharding, sync, layout, loss_scale)
 
 
 def make_init(model: ModelDef, plan: Plan, tx, spec: StepSpec, param_dtype) -> Callable[[int], dict]:
@@ -79,7 +83,8 @@ def make_init(model: ModelDef, plan: Plan, tx, spec: StepSpec, param_dtype) -> C
         params = plan.reorder_layers(params, model.axes, "stored")
         opt_state = tx.init(params)  # from the float32 init: master weights are exact
         params = jax.tree.map(lambda x: x.astype(param_dtype), params)
-        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state,
+                 **spec.loss_scale.init_state()}
         return spec.sync.init_state(state, tx)
     return jax.jit(init, static_argnums=0, out_shardings=spec.state_shardings)
 
@@ -111,7 +116,10 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     (data.packing): the rows hold packed documents; their segment ids, positions and target
     weights are derived from the global batch before the shard_map (train/batch.py) and the loss
     is the mean over the targets that count (a global count). `context`
-    (config.ContextConfig): how sequences split over mesh.context (parallel/context.py)."""
+    (config.ContextConfig): how sequences split over mesh.context (parallel/context.py).
+    spec.loss_scale (train.loss_scale, float16): the backward runs on the loss times the scale and
+    the gradients are divided by it before anything reads them; a dynamic scale skips the update
+    of a step whose gradients overflow (train/loss_scale.py)."""
     sync = spec.sync
     manual, sizes = sync.manual, plan.mesh.shape
     forward = make_forward(model, plan, manual, DTYPES[compute_dtype], remat, sync.wire_dtype, loss_chunk,
@@ -122,7 +130,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     busy = tuple(sorted(a for a in manual if sizes[a] > 1))
     group = plan.batch_size_divisor // sync.replicas  # the devices one gradient is the mean over
 
-    def local_grads(params, batch, comm, extra):
+    def local_grads(params, batch, comm, extra, scale):
         # The params typed as varying over every manual axis (check_vma). Replicated ones would
         # meet the per-device activations through an implicit pvary, whose transpose is a psum:
         # JAX would sum their gradients inside the backward (then the reduction below would add
@@ -134,7 +142,7 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             within = tuple(a for a in batch_busy if a not in sync.replica_axes)
             count = jax.lax.psum(batch.token_count(), within) if within else batch.token_count()
         loss = MicrobatchLoss.for_batch(loss_sum_fn, batch.tokens.shape, group, accumulate.microbatches,
-                                        count, forward.context.size)
+                                        count, forward.context.size, scale)
         mbs = jax.tree.map(lambda a: a.reshape(accumulate.microbatches, -1, *a.shape[1:]), batch)
         losses, grads, aux, comm = accumulate(params, mbs, loss, comm)
         grads, comm = sync.reduce(grads, comm, extra)
@@ -153,20 +161,32 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     batch_specs = jax.tree.map(lambda _: rows, jax.eval_shape(as_batch, jnp.zeros((2, 2), jnp.int32)))
     sharded_grads = jax.shard_map(
         sync.wrap(local_grads), mesh=plan.mesh,
-        in_specs=(sync.param_in_specs(param_in), batch_specs, comm_specs, sync.extra_specs()),
+        in_specs=(sync.param_in_specs(param_in), batch_specs, comm_specs, sync.extra_specs(), P()),
         out_specs=((P(), P()), sync.grads_out_specs(sync.final_out), comm_specs),
         axis_names=set(manual), check_vma=True,
     )
     grad_shardings = sync.grad_shardings()
+    scaler = spec.loss_scale
 
     def step(state, tokens):
         tokens = spec.batch_layout.whole_rows(tokens)
+        scale = scaler.current(state)
         (loss, aux), grads, comm = sharded_grads(sync.params_in(state), as_batch(tokens),
-                                                 state.get("comm", {}), sync.extra_inputs(state))
+                                                 state.get("comm", {}), sync.extra_inputs(state), scale)
         grads = jax.lax.with_sharding_constraint(sync.global_order(grads), grad_shardings)
+        if scale is not None:  # the gradients of the scaled loss, back to the loss's own
+            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
         metrics = {"loss": loss, "grad_norm": sync.grad_norm(grads), **flat_metrics(aux)}
         update = lambda: sync.apply(tx, grads, comm, state)
-        if skip_nonfinite:
+        if scaler.dynamic:  # an overflow skips the update and halves the scale (train/loss_scale.py)
+            finite = jnp.isfinite(metrics["grad_norm"])
+            new_state = unless_nonfinite(finite & jnp.isfinite(loss), update, state)
+            new_state[scaler.STATE_KEY] = scaler.next_state(state, finite)
+            metrics["loss_scale"] = scale
+            if skip_nonfinite:  # a bad step: the loss, or an overflow the smallest scale still has
+                bad = ~jnp.isfinite(loss) | (~finite & (scale <= scaler.minimum))
+                metrics["nonfinite"] = bad.astype(jnp.int32)
+        elif skip_nonfinite:
             ok = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
             new_state = unless_nonfinite(ok, update, state)
             metrics["nonfinite"] = jnp.logical_not(ok).astype(jnp.int32)
