@@ -134,6 +134,10 @@ class ModelConfig(Strict):
             )
         if self.head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; set head_dim")
+        if self.resolved_head_dim % 2:  # RoPE rotates the two halves of each head
+            how = f"head_dim={self.head_dim}" if self.head_dim else f"dim={self.dim} / n_heads={self.n_heads}"
+            raise ValueError(f"the head dim ({how} = {self.resolved_head_dim}) must be even: RoPE rotates "
+                             f"pairs of its dims; choose dim, n_heads or head_dim so that it is")
         return self
 
     @model_validator(mode="after")

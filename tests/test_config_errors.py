@@ -151,3 +151,12 @@ def test_overrides_leave_the_callers_dict_alone():
     raw = {"train": {"steps": 5}}
     assert make_config(raw, ["train.loss_chunk=8", "train.seq_len=32"]).train.loss_chunk == 8
     assert raw == {"train": {"steps": 5}} and make_config(raw).train.loss_chunk is None
+
+
+def test_odd_head_dim_is_a_config_error():
+    """dim=100 over 4 heads (head dim 25) ended in a traceback from RoPE's split inside the step."""
+    with pytest.raises(ConfigError, match=r"the head dim \(dim=100 / n_heads=4 = 25\) must be even"):
+        tiny_config("model.dim=100", "model.n_heads=4", "model.n_kv_heads=2")
+    with pytest.raises(ConfigError, match=r"the head dim \(head_dim=9 = 9\) must be even"):
+        tiny_config("model.head_dim=9")
+    tiny_config("model.dim=96", "model.n_heads=4", "model.n_kv_heads=2")  # 24: fine

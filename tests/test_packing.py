@@ -454,6 +454,25 @@ def test_blockwise_in_a_layer_scan_keeps_no_mask_per_tile():
     assert scanned < 4 * one, (scanned, one)
 
 
+def test_a_sequence_far_beyond_memory_stops_before_the_step_is_traced(monkeypatch, tmp_path):
+    """train.seq_len=100000000 on the quickstart with the blockwise attention ended in a host
+    MemoryError while tracing (its tile table: 195313^2 blocks). The layers' inputs, which every
+    remat policy keeps, are a bound from the shapes alone: one message, nothing traced."""
+    from jaxpar.train import preflight, trainer as trainer_mod
+    monkeypatch.setattr(preflight, "device_memory_bytes", lambda device: (1 << 30, "a 1 GiB test device"))
+    monkeypatch.setattr(trainer_mod.Trainer, "compile", lambda self: pytest.fail("step traced"))
+    cfg = tiny_config("mesh.data=8", "train.global_batch=8", "train.seq_len=100000000", f"run_dir={tmp_path}",
+                      "checkpoint.enabled=false", "model.attention=blockwise", "eval.every=0")
+    dim = cfg.model.dim
+    with pytest.raises(ConfigError, match=(
+            rf"train.seq_len=100000000 does not fit: the inputs of the 2 layer\(s\) a device runs, kept for the "
+            rf"backward whatever train.remat is \(\[1, 100000000, {dim}\] each, float32\), take "
+            rf"{2 * 10**8 * dim * 4 / 2**30:.1f} GiB per device, above the 1.0 GiB a device has \(a 1 GiB test "
+            rf"device\); use a shorter train.seq_len, or the sequence split over more devices \(context "
+            rf"parallelism: mesh.context, now 1\)")):
+        trainer_mod.run(cfg, log=QUIET)
+
+
 def test_a_compiled_step_above_the_device_memory_stops_before_the_state_exists(monkeypatch, tmp_path):
     from jaxpar.train import preflight, trainer as trainer_mod
     monkeypatch.setattr(preflight, "device_memory_bytes", lambda device: (1 << 20, "a 1 MiB test device"))

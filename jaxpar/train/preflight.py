@@ -2,23 +2,28 @@
 is allocated, instead of dying in the first step (an out-of-memory traceback, or on some hosts a
 signal and no message: train.seq_len=262144 on the quickstart needs 144 GiB per device).
 
-Two checks, both on the path of `jaxpar train` only (benchmarks compile layouts too big for this
-host on purpose): `check_attention_fits` before compiling, from the shapes alone, for the one
-buffer that grows with seq_len squared (the xla attention's float32 scores; compiling such a
-step can itself take minutes); `check_step_fits` on the compiled step's memory_analysis (the
-compile the run needs anyway: no extra cost).
+Checks on the path of `jaxpar train` only (benchmarks compile layouts too big for this host on
+purpose): before tracing, from the shapes alone, `check_attention_fits` for the one buffer that
+grows with seq_len squared (the xla attention's float32 scores; compiling such a step can itself
+take minutes) and `check_activations_fit` for the least any step keeps for its backward (tracing
+a step for a sequence far beyond memory can itself exhaust the host: blockwise attention's tile
+table grows with seq_len squared too); `check_step_fits` on the compiled step's memory_analysis
+(the compile the run needs anyway: no extra cost).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from jaxpar.attention import resolve
 from jaxpar.config import Config, ConfigError
 from jaxpar.metrics.memory import compiled_memory, device_memory_bytes
 from jaxpar.sharding import Plan
+from jaxpar.train.precision import DTYPES
 
 GIB = 2**30
 
 
-def _fixes(cfg: Config, plan: Plan, attention: str) -> str:
+def _fixes(cfg: Config, plan: Plan, attention: str, remat: bool = True) -> str:
     t = cfg.train
     fixes = []
     if attention == "xla":
@@ -26,10 +31,10 @@ def _fixes(cfg: Config, plan: Plan, attention: str) -> str:
     if local_rows(cfg, plan) > 1:
         fixes.append(f"fewer sequences per device at once (train.global_batch < {t.global_batch}, or "
                      f"train.grad_accum > {t.grad_accum})")
-    if t.remat != "full":
+    if remat and t.remat != "full":
         fixes.append("train.remat=full")
-    fixes.append("a shorter train.seq_len, or the sequence split over devices (context parallelism, "
-                 "mesh.context, once it exists)")
+    fixes.append("a shorter train.seq_len, or the sequence split over more devices (context "
+                 f"parallelism: mesh.context, now {plan.mesh.shape.get('context', 1)})")
     return "; ".join(fixes)
 
 
@@ -56,6 +61,31 @@ def check_attention_fits(cfg: Config, plan: Plan) -> None:
             f"train.seq_len={t.seq_len} does not fit: the xla attention's float32 scores [{rows}, {heads}, "
             f"{t.seq_len}, {t.seq_len}] take {scores / GIB:.1f} GiB per device for one layer, above the "
             f"{budget / GIB:.1f} GiB a device has ({where}); use {_fixes(cfg, plan, name)}")
+
+
+def check_activations_fit(cfg: Config, plan: Plan) -> None:
+    """ConfigError when the layers' inputs alone, which every remat policy keeps for the backward
+    ([sequences, tokens, dim] per layer of a device's stage, in the compute dtype, its tokens split
+    over context and, at most, tensor), exceed a device's memory: a lower bound of the step's
+    memory, from the shapes (before tracing)."""
+    m, t = cfg.model, cfg.train
+    device = plan.mesh.devices.flat[0]
+    budget, where = device_memory_bytes(device)
+    if budget is None:
+        return
+    sizes = plan.mesh.shape
+    tokens = t.seq_len // (sizes.get("context", 1) * sizes.get("tensor", 1))
+    layers = max(1, m.n_layers // sizes.get("pipeline", 1))
+    rows = local_rows(cfg, plan)
+    need = layers * rows * tokens * m.dim * np.dtype(DTYPES[t.compute_dtype]).itemsize
+    if need > budget:
+        name = resolve(m.attention, platform=device.platform, dtype=t.compute_dtype, seq_len=t.seq_len,
+                       head_dim=m.resolved_head_dim, threshold=m.attention_threshold)
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} does not fit: the inputs of the {layers} layer(s) a device runs, "
+            f"kept for the backward whatever train.remat is ([{rows}, {tokens}, {m.dim}] each, "
+            f"{t.compute_dtype}), take {need / GIB:.1f} GiB per device, above the {budget / GIB:.1f} GiB "
+            f"a device has ({where}); use {_fixes(cfg, plan, name, remat=False)}")
 
 
 def check_step_fits(cfg: Config, plan: Plan, compiled) -> None:

@@ -34,7 +34,7 @@ from jaxpar.train.batch import Documents
 from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.loop import NonfiniteWatch, StepLog
 from jaxpar.train.precision import DTYPES, apply_precision, check_precision
-from jaxpar.train.preflight import check_attention_fits, check_step_fits
+from jaxpar.train.preflight import check_activations_fit, check_attention_fits, check_step_fits
 from jaxpar.train.evaluate import Evaluator, make_eval_step
 from jaxpar.train.loss_scale import check_loss_scale, loss_scale_of
 from jaxpar.train.step import make_init, make_step_spec, make_train_step, reorder_state
@@ -535,6 +535,7 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     trainer = Trainer(cfg, log=log, callbacks=build_callbacks(cfg) + extra + list(callbacks or []),
                       events=events)
     check_attention_fits(cfg, trainer.plan)  # nothing allocated yet, nothing compiled
+    check_activations_fit(cfg, trainer.plan)
     compiled = trainer.compile()
     check_step_fits(cfg, trainer.plan, compiled)  # before the state is allocated
     state, start, where = trainer.restore(plan, out_dir=out)
