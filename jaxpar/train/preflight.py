@@ -38,6 +38,13 @@ def _fixes(cfg: Config, plan: Plan, attention: str, remat: bool = True) -> str:
     return "; ".join(fixes)
 
 
+def _attention(cfg: Config, device) -> str:
+    """The attention implementation model.attention resolves to on `device` at train.seq_len."""
+    m, t = cfg.model, cfg.train
+    return resolve(m.attention, platform=device.platform, dtype=t.compute_dtype, seq_len=t.seq_len,
+                   head_dim=m.resolved_head_dim, threshold=m.attention_threshold)
+
+
 def local_rows(cfg: Config, plan: Plan) -> int:
     """Sequences one device runs at once (a microbatch's rows on it)."""
     return max(1, cfg.train.global_batch // (plan.batch_size_divisor * cfg.train.grad_accum))
@@ -49,8 +56,7 @@ def check_attention_fits(cfg: Config, plan: Plan) -> None:
     m, t = cfg.model, cfg.train
     device = plan.mesh.devices.flat[0]
     budget, where = device_memory_bytes(device)
-    name = resolve(m.attention, platform=device.platform, dtype=t.compute_dtype, seq_len=t.seq_len,
-                   head_dim=m.resolved_head_dim, threshold=m.attention_threshold)
+    name = _attention(cfg, device)
     if budget is None or name != "xla":
         return
     heads = max(1, m.n_heads // plan.mesh.shape.get("tensor", 1))
@@ -79,8 +85,7 @@ def check_activations_fit(cfg: Config, plan: Plan) -> None:
     rows = local_rows(cfg, plan)
     need = layers * rows * tokens * m.dim * np.dtype(DTYPES[t.compute_dtype]).itemsize
     if need > budget:
-        name = resolve(m.attention, platform=device.platform, dtype=t.compute_dtype, seq_len=t.seq_len,
-                       head_dim=m.resolved_head_dim, threshold=m.attention_threshold)
+        name = _attention(cfg, device)
         raise ConfigError(
             f"train.seq_len={t.seq_len} does not fit: the inputs of the {layers} layer(s) a device runs, "
             f"kept for the backward whatever train.remat is ([{rows}, {tokens}, {m.dim}] each, "
@@ -97,8 +102,7 @@ def check_step_fits(cfg: Config, plan: Plan, compiled) -> None:
     if budget is None or "total_bytes" not in mem or mem["total_bytes"] <= budget:
         return
     t, m = cfg.train, cfg.model
-    name = resolve(m.attention, platform=device.platform, dtype=t.compute_dtype, seq_len=t.seq_len,
-                   head_dim=m.resolved_head_dim, threshold=m.attention_threshold)
+    name = _attention(cfg, device)
     raise ConfigError(
         f"train.seq_len={t.seq_len} x {local_rows(cfg, plan)} sequence(s) per device does not fit: the "
         f"compiled step needs {mem['total_bytes'] / GIB:.1f} GiB per device (temporaries "
