@@ -7,7 +7,7 @@ import pytest
 
 from jaxpar.config import ConfigError
 from jaxpar.train.loss import cross_entropy_sum
-from jaxpar.train.loss_scale import DYNAMIC_INIT, check_loss_scale
+from jaxpar.train.loss_scale import DYNAMIC_INIT
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.grad_util import global_norm, grad_trainer, run_steps, to_numpy
@@ -132,13 +132,36 @@ def test_loss_scale_settings_are_checked():
         tiny_config("train.loss_scale=-2")
     with pytest.raises(ConfigError, match=r"train.loss_scale='bogus'"):
         tiny_config("train.loss_scale=bogus")
-    with pytest.raises(ConfigError, match=r"train.loss_scale='auto' \(train.compute_dtype='float16'\) is not "
-                                          r"supported with gradient_compression.method='int8'.*train.loss_scale=none"):
-        check_loss_scale(tiny_config(*FP16, "gradient_compression.method=int8"))
-    with pytest.raises(ConfigError, match=r"optimizer.name='onebit_adam'"):
-        check_loss_scale(tiny_config("train.loss_scale=dynamic", "optimizer.name=onebit_adam"))
-    check_loss_scale(tiny_config(*FP16, "gradient_compression.method=int8", "train.loss_scale=none"))
-    check_loss_scale(tiny_config("gradient_compression.method=int8"))  # float32: auto is none
+
+
+STATEFUL = {  # syncs that keep gradient-shaped state across steps
+    "int8_error_feedback": ["gradient_compression.method=int8"],  # reduced in the layer scan's taps
+    "onebit_adam": ["optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=1"],  # after it
+    "local_sgd": ["local_sgd.sync_every=2"],  # per-replica gradients and params
+}
+
+
+@pytest.mark.parametrize("sync", list(STATEFUL))
+def test_stateful_syncs_see_the_unscaled_gradient(devices, sync):
+    """In float32 a power-of-two scale is exact: two steps with train.loss_scale=1024 (the second
+    after 1-bit Adam's warm-up: compressed momentum) give the gradients and the sync's state of
+    the unscaled run. Divided after the sync instead, the error-feedback residuals and 1-bit
+    Adam's momentum would hold scaled values (and differ here by up to 1024x)."""
+    over = ["mesh.data=8", *STATEFUL[sync]]
+    runs = {}
+    for scale in ("none", "1024"):
+        trainer, step = grad_trainer(tiny_config(*over, f"train.loss_scale={scale}"), devices)
+        state, metrics = trainer.init_state(), []
+        for i in range(2):
+            state, m = step(state, trainer.loader.batch(i))
+            metrics.append(to_numpy(m))
+        runs[scale] = metrics, to_numpy({k: state[k] for k in ("comm", "opt_state", "params") if k in state})
+    (m_ref, s_ref), (m_got, s_got) = runs["none"], runs["1024"]
+    for ref, got in zip(m_ref, m_got):
+        assert relative_error(got["grads"], ref["grads"]) < 1e-6
+        assert got["loss"] == ref["loss"]
+    for a, b in zip(jax.tree.leaves(s_got), jax.tree.leaves(s_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_the_dynamic_scale_is_checkpointed(devices, tmp_path):

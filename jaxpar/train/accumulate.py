@@ -56,7 +56,8 @@ class ScanMicrobatches:
             def mb_loss(diff, mb):
                 top, sinks = diff
                 rows = self.forward.context.split(mb)  # this device's part of each sequence
-                logits, sown = self.forward(lg.join(top, stacks), rows, lg.taps(sinks, acc, is_last, state))
+                taps = lg.taps(sinks, acc, is_last, state, loss.scale)
+                logits, sown = self.forward(lg.join(top, stacks), rows, taps)
                 return loss(logits, rows, sown)
 
             (_, (value, aux)), (g, g_sinks) = jax.value_and_grad(mb_loss, has_aux=True)(

@@ -50,12 +50,14 @@ def _aval(x: jax.Array) -> tuple:
     return x.shape, x.dtype, tuple(sorted(varying_axes(x)))
 
 
-def tap(x: jax.Array, acc, state: dict, sinks: tuple, is_last, reducers: tuple) -> jax.Array:
+def tap(x: jax.Array, acc, state: dict, sinks: tuple, is_last, reducers: tuple, scale=None) -> jax.Array:
     """x, whose cotangent g goes to the sinks (mid, last, state): on the last microbatch
     (`is_last`) (last, state) <- finish(g, acc, state) and mid gets zeros, before it
     mid <- scatter(g) and last and state get zeros. With one microbatch `mid` is None and
     `is_last` True. `acc` (or None) and `state` (the sync's layer state, maybe {}) ride along for
-    the backward; x, acc and state get no gradient (they are not differentiated)."""
+    the backward; x, acc and state get no gradient (they are not differentiated). `scale`
+    (train.loss_scale, or None): g is the gradient of the scaled loss, divided by it in float32
+    before the sync reads it (its state, e.g. error feedback, then never holds scaled values)."""
     mid, last, st_sinks = sinks
     scatter, finish = reducers
     mid_aval, last_aval = (None if mid is None else _aval(mid)), _aval(last)
@@ -63,14 +65,16 @@ def tap(x: jax.Array, acc, state: dict, sinks: tuple, is_last, reducers: tuple) 
     as_state = lambda x, aval: vary(x.astype(aval[1]), aval[2])  # per device: typed as its sink
 
     @jax.custom_vjp
-    def ident(x, acc, state, sinks, is_last):
+    def ident(x, acc, state, sinks, is_last, scale):
         return x
 
-    def fwd(x, acc, state, sinks, is_last):
-        return x, (acc, state, is_last)
+    def fwd(x, acc, state, sinks, is_last, scale):
+        return x, (acc, state, is_last, scale)
 
     def bwd(res, g):
-        acc, state, is_last = res
+        acc, state, is_last, scale = res
+        if scale is not None:
+            g = g.astype(jnp.float32) / scale
 
         def to_last(g, acc, state):
             g, state = finish(g, acc, state)
@@ -78,17 +82,17 @@ def tap(x: jax.Array, acc, state: dict, sinks: tuple, is_last, reducers: tuple) 
 
         if mid_aval is None:
             g, state = to_last(g, acc, state)
-            return None, None, None, (None, g, state), None
+            return None, None, None, (None, g, state), None, None
         zeros_st = lambda: jax.tree.map(_zeros_like, st_avals, is_leaf=lambda a: isinstance(a, tuple))
         cts = jax.lax.cond(is_last,
                            lambda g, acc, state: (_zeros_like(mid_aval), *to_last(g, acc, state)),
                            lambda g, acc, state: (scatter(g).astype(mid_aval[1]), _zeros_like(last_aval),
                                                   zeros_st()),
                            g, acc, state)
-        return None, None, None, cts, None
+        return None, None, None, cts, None, None
 
     ident.defvjp(fwd, bwd)
-    return ident(x, acc, state, sinks, is_last)
+    return ident(x, acc, state, sinks, is_last, scale)
 
 
 @dataclass(frozen=True)
@@ -100,13 +104,15 @@ class Taps:
     xs: dict
     reducers: dict  # stack-relative path -> (scatter(g), finish(g, acc, state) -> (g, state))
     is_last: Any = True
+    scale: Any = None  # train.loss_scale's factor (see tap)
 
     def apply(self, layer_state, xs):
         items = []
         for path, var in nnx.to_flat_state(layer_state):
             if path in self.reducers:
                 acc, state, sinks = xs[path]
-                var = var.replace(tap(var[...], acc, state, sinks, self.is_last, self.reducers[path]))
+                var = var.replace(tap(var[...], acc, state, sinks, self.is_last, self.reducers[path],
+                                      self.scale))
             items.append((path, var))
         return nnx.from_flat_state(items)
 
@@ -167,8 +173,9 @@ class LayerGrads:
     def _zeros_state(self, p) -> dict:
         return {k: _zeros_like(aval) for k, aval in self.state[p].items()}
 
-    def taps(self, sinks: dict, acc: dict | None, is_last, state: dict) -> Taps | None:
-        """`state`: the sync's layer_state of this step (read on the last microbatch)."""
+    def taps(self, sinks: dict, acc: dict | None, is_last, state: dict, scale=None) -> Taps | None:
+        """`state`: the sync's layer_state of this step (read on the last microbatch); `scale`:
+        the loss scale the layer gradients are divided by in the taps (see tap)."""
         if not self.active:
             return None
         sync = self.sync
@@ -181,7 +188,7 @@ class LayerGrads:
 
         acc = acc or {}  # keyed like the stack's own state: the path below the stack's attribute
         xs = {p[1:]: (acc.get(p), state.get(p, {}), sinks[p]) for p in self.paths}
-        return Taps(xs, {p[1:]: reducers(p) for p in self.paths}, is_last)
+        return Taps(xs, {p[1:]: reducers(p) for p in self.paths}, is_last, scale)
 
     def zeros_acc(self) -> dict:
         """The loop carry's sum of the mid sinks (the scattered gradients before the last)."""

@@ -4,7 +4,10 @@ float16 keeps 5 exponent bits: a gradient below 6e-8 is zero and one below 6e-5 
 backward of a mean token loss runs through activations whose gradients are that small (1/tokens of
 a probability), so float16 steps lose them. The step differentiates `scale x loss` instead (the
 backward's float16 values `scale` times larger) and divides the float32 gradients by `scale`
-before anything reads them (norm, clipping, optimizer): with a power of two both are exact.
+before the gradient sync reads them (the layer stacks reduced inside the backward scan in their
+taps, train/layer_grads.py; the rest after accumulation): with a power of two both are exact, the
+division fuses into the convert that is there anyway, and what the syncs keep across steps
+(error feedback, 1-bit Adam's momentum, local SGD's replicas) never holds scaled values.
 
 `dynamic` (the default with float16): the scale starts at `init`; a step whose gradients are not
 finite (an overflow) is skipped (no update, like train.skip_nonfinite) and halves the scale; after
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import Config, ConfigError, TrainConfig
+from jaxpar.config import TrainConfig
 
 # the dynamic scale's start: the largest power of two below float16's max (65504); the first
 # steps halve it as far as the model needs
@@ -81,19 +84,3 @@ def loss_scale_of(train: TrainConfig) -> LossScale:
         return LossScale()
     return LossScale("static", float(v))
 
-
-def check_loss_scale(cfg: Config) -> None:
-    """Syncs that keep gradient-shaped state across steps (error feedback, 1-bit Adam's momentum,
-    local SGD's replicas) would keep it in scaled units: refused."""
-    if loss_scale_of(cfg.train).mode == "none":
-        return
-    method = cfg.gradient_compression.method
-    other = (f"gradient_compression.method='{method}'" if method != "none"
-             else "optimizer.name='onebit_adam'" if cfg.optimizer.name == "onebit_adam"
-             else f"local_sgd.sync_every={cfg.local_sgd.sync_every}" if cfg.local_sgd.sync_every > 1
-             else None)
-    if other:
-        raise ConfigError(
-            f"train.loss_scale={cfg.train.loss_scale!r} (train.compute_dtype={cfg.train.compute_dtype!r}) is "
-            f"not supported with {other} yet: its state across steps would hold scaled gradients; use "
-            f"train.compute_dtype=bfloat16 (no scaling needed), or train.loss_scale=none")

@@ -22,7 +22,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.parallel.context import ContextParallel, loader_split
-from jaxpar.parallel.sync import GradientSync, is_spec
+from jaxpar.parallel.sync import GradientSync, is_spec, key_path
 from jaxpar.sharding import Plan, vary
 from jaxpar.train.accumulate import make_accumulation
 from jaxpar.train.batch import Batch, Documents
@@ -118,8 +118,9 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     is the mean over the targets that count (a global count). `context`
     (config.ContextConfig): how sequences split over mesh.context (parallel/context.py).
     spec.loss_scale (train.loss_scale, float16): the backward runs on the loss times the scale and
-    the gradients are divided by it before anything reads them; a dynamic scale skips the update
-    of a step whose gradients overflow (train/loss_scale.py)."""
+    the gradients are divided by it before the sync reads them (the layer stacks reduced in the
+    scan in their taps, the rest after accumulation); a dynamic scale skips the update of a step
+    whose gradients overflow (train/loss_scale.py)."""
     sync = spec.sync
     manual, sizes = sync.manual, plan.mesh.shape
     forward = make_forward(model, plan, manual, DTYPES[compute_dtype], remat, sync.wire_dtype, loss_chunk,
@@ -145,6 +146,10 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
                                         count, forward.context.size, scale)
         mbs = jax.tree.map(lambda a: a.reshape(accumulate.microbatches, -1, *a.shape[1:]), batch)
         losses, grads, aux, comm = accumulate(params, mbs, loss, comm)
+        if scale is not None:  # the scaled loss's gradients, back to the loss's own before the sync
+            # reads them (the layer stacks it reduces in the scan were divided there: layer_grads.tap)
+            grads = jax.tree_util.tree_map_with_path(
+                lambda p, g: g if key_path(p) in sync.in_scan else g / scale.astype(g.dtype), grads)
         grads, comm = sync.reduce(grads, comm, extra)
         mean = lambda x: (jax.lax.psum(x, busy) if busy else x) / sync.replicas
         return (mean(losses.sum()), jax.tree.map(lambda a: mean(a.sum(0)), aux)), grads, comm
@@ -174,8 +179,6 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         (loss, aux), grads, comm = sharded_grads(sync.params_in(state), as_batch(tokens),
                                                  state.get("comm", {}), sync.extra_inputs(state), scale)
         grads = jax.lax.with_sharding_constraint(sync.global_order(grads), grad_shardings)
-        if scale is not None:  # the gradients of the scaled loss, back to the loss's own
-            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
         metrics = {"loss": loss, "grad_norm": sync.grad_norm(grads), **flat_metrics(aux)}
         update = lambda: sync.apply(tx, grads, comm, state)
         if scaler.dynamic:  # an overflow skips the update and halves the scale (train/loss_scale.py)

@@ -36,7 +36,7 @@ from jaxpar.train.loop import NonfiniteWatch, StepLog
 from jaxpar.train.precision import DTYPES, apply_precision, check_precision
 from jaxpar.train.preflight import check_activations_fit, check_attention_fits, check_step_fits
 from jaxpar.train.evaluate import Evaluator, make_eval_step
-from jaxpar.train.loss_scale import check_loss_scale, loss_scale_of
+from jaxpar.train.loss_scale import loss_scale_of
 from jaxpar.train.step import make_init, make_step_spec, make_train_step, reorder_state
 from jaxpar.platform import building_for
 from jaxpar.xla import apply_xla_flags, compiler_options
@@ -71,7 +71,6 @@ class Trainer:
         custom = self.model_factory is not None
         check_layout(cfg, self.plan, check_model=not custom)
         check_precision(cfg)
-        check_loss_scale(cfg)
         self.model = ModelDef.from_factory(self.model_factory or llama_model_factory(cfg))
         self.lr_schedule = schedule(cfg.optimizer, cfg.train.steps)
         self.tx = apply_precision(build_optimizer(cfg.optimizer, cfg.train.steps, self.model.axes), cfg.train)
