@@ -96,7 +96,7 @@ def test_the_dynamic_scale_halves_on_overflow_skips_the_update_and_grows_after_i
     trainer, _ = grad_trainer(cfg, devices)
     step = trainer.make_step(loss_sum_fn=scaled_loss(4096.0))
     state = trainer.init_state()
-    finite, scales = [], []
+    finite, scales, overflows = [], [], []
     for i in range(12):
         before = to_numpy({"params": state["params"], "opt": state["opt_state"]})
         state, m = step(state, trainer.loader.batch(i))
@@ -104,10 +104,12 @@ def test_the_dynamic_scale_halves_on_overflow_skips_the_update_and_grows_after_i
         ok = bool(np.isfinite(m["grad_norm"]))
         finite.append(ok)
         scales.append(float(m["loss_scale"]))
+        overflows.append(int(m["overflow_steps"]))
         assert np.isfinite(m["loss"]) and m["nonfinite"] == 0
         same = jax.tree.all(jax.tree.map(np.array_equal, before, after))
         assert same != ok, f"step {i}: finite={ok} but params {'kept' if same else 'changed'}"
     assert scales == expected_scales(finite, DYNAMIC_INIT, window=2), (scales, finite)
+    assert overflows == list(np.cumsum([not ok for ok in finite]))  # logged: the count so far
     assert not finite[0] and any(finite) and max(scales[finite.index(True):]) > min(scales)  # halved, then grew
     assert float(state["loss_scale"]["scale"]) == expected_scales(finite + [True], DYNAMIC_INIT, 2)[-1]
 

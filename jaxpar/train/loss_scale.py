@@ -11,10 +11,12 @@ division fuses into the convert that is there anyway, and what the syncs keep ac
 
 `dynamic` (the default with float16): the scale starts at `init`; a step whose gradients are not
 finite (an overflow) is skipped (no update, like train.skip_nonfinite) and halves the scale; after
-`window` finite steps in a row it doubles. The state ({"scale", "good"}: the scale and the finite
-steps since it last changed) lives in the train state, so checkpoints keep it. An overflow is the
-scaler's business, not a bad step: the non-finite watch (train.max_nonfinite) counts only a loss
-that is not finite, or gradients that overflow at the smallest scale (`minimum`).
+`window` finite steps in a row it doubles. The state ({"scale", "good", "overflows"}: the scale,
+the finite steps since it last changed, the overflow steps so far) lives in the train state, so
+checkpoints keep it; the scale and the overflow count are logged (`loss_scale`,
+`overflow_steps`). An overflow is the scaler's business, not a bad step: the non-finite watch
+(train.max_nonfinite) counts only a loss that is not finite, or gradients that overflow at the
+smallest scale (`minimum`).
 """
 from __future__ import annotations
 
@@ -52,10 +54,11 @@ class LossScale:
         """The train state's entries of this scaler ({} unless dynamic)."""
         if not self.dynamic:
             return {}
-        return {self.STATE_KEY: {"scale": jnp.float32(self.value), "good": jnp.int32(0)}}
+        return {self.STATE_KEY: {"scale": jnp.float32(self.value), "good": jnp.int32(0),
+                                 "overflows": jnp.int32(0)}}
 
     def state_specs(self) -> dict:
-        return {self.STATE_KEY: {"scale": P(), "good": P()}} if self.dynamic else {}
+        return {self.STATE_KEY: {"scale": P(), "good": P(), "overflows": P()}} if self.dynamic else {}
 
     def current(self, state: dict) -> jax.Array | None:
         """The scale of this step (None: the loss is not scaled)."""
@@ -70,7 +73,8 @@ class LossScale:
         grow = good >= self.window
         scale = jnp.where(finite, jnp.where(grow, s["scale"] * 2, s["scale"]),
                           jnp.maximum(s["scale"] / 2, self.minimum))
-        return {"scale": scale, "good": jnp.where(grow, 0, good)}
+        return {"scale": scale, "good": jnp.where(grow, 0, good),
+                "overflows": s["overflows"] + jnp.where(finite, 0, 1)}
 
 
 def loss_scale_of(train: TrainConfig) -> LossScale:

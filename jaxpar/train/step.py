@@ -185,7 +185,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
             finite = jnp.isfinite(metrics["grad_norm"])
             new_state = unless_nonfinite(finite & jnp.isfinite(loss), update, state)
             new_state[scaler.STATE_KEY] = scaler.next_state(state, finite)
-            metrics["loss_scale"] = scale
+            metrics["loss_scale"] = scale  # this step's
+            metrics["overflow_steps"] = new_state[scaler.STATE_KEY]["overflows"]  # so far, this one too
             if skip_nonfinite:  # a bad step: the loss, or an overflow the smallest scale still has
                 bad = ~jnp.isfinite(loss) | (~finite & (scale <= scaler.minimum))
                 metrics["nonfinite"] = bad.astype(jnp.int32)
