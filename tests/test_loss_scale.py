@@ -1,6 +1,8 @@
 """Loss scaling for float16 compute (jaxpar/train/loss_scale.py, train.loss_scale): gradients
 against the one-device float32 step, the dynamic scale's policy step by step, and the config's
 errors."""
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -175,3 +177,11 @@ def test_the_dynamic_scale_is_checkpointed(devices, tmp_path):
     _, history = resumed.fit(out_dir=tmp_path, progress=False)
     # window 1: every finite step doubles it (2**15, 2**16 at steps 1, 2; 2**17 at step 3)
     assert [(h["step"], h["loss_scale"]) for h in history] == [(3, DYNAMIC_INIT * 4)]
+
+
+def test_the_banner_says_how_the_loss_is_scaled(devices):
+    banner = Trainer(tiny_config(*FP16, "mesh.data=8"), devices=devices, log=lambda s: None).banner()
+    assert re.search(r"loss scale +: dynamic from 32768, x2 after 1000 finite steps, /2 on an overflow", banner)
+    static = Trainer(tiny_config("mesh.data=8", "train.loss_scale=128"), devices=devices, log=lambda s: None)
+    assert re.search(r"loss scale +: static 128\n", static.banner())
+    assert "loss scale" not in Trainer(tiny_config("mesh.data=8"), devices=devices, log=lambda s: None).banner()

@@ -334,6 +334,10 @@ class Trainer:
         t = self.cfg.train
         lines["batch"] = (f"{t.global_batch} x {t.seq_len} tokens, grad_accum {t.grad_accum}, "
                           f"{t.compute_dtype} compute, remat {t.remat}")
+        scaler = self.spec.loss_scale
+        if scaler.mode != "none":
+            lines["loss scale"] = (f"dynamic from {scaler.value:g}, x2 after {scaler.window} finite steps, "
+                                   f"/2 on an overflow" if scaler.dynamic else f"static {scaler.value:g}")
         lines.update(extra or {})
         return format_banner(lines)
 
