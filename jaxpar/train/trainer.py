@@ -298,7 +298,8 @@ class Trainer:
         if plan.changes:
             msg += "; changed " + "; ".join(plan.changes)
         if meta.get("reset"):
-            msg += f"; state not carried over (layout changed), started afresh: {', '.join(meta['reset'])}"
+            msg += (f"; state not carried over (the checkpoint's layout or settings differ), started afresh: "
+                    f"{', '.join(meta['reset'])}")
         return state, int(step), msg
 
     def _fresh(self, keys: list[str]) -> dict:
