@@ -9,7 +9,7 @@ taps, train/layer_grads.py; the rest after accumulation): with a power of two bo
 division fuses into the convert that is there anyway, and what the syncs keep across steps
 (error feedback, 1-bit Adam's momentum, local SGD's replicas) never holds scaled values.
 
-`dynamic` (the default with float16): the scale starts at `init`; a step whose gradients are not
+`dynamic` (the default with float16): the scale starts at DYNAMIC_INIT; a step whose gradients are not
 finite (an overflow) is skipped (no update, like train.skip_nonfinite) and halves the scale; after
 `window` finite steps in a row it doubles. The state ({"scale", "good", "overflows"}: the scale,
 the finite steps since it last changed, the overflow steps so far) lives in the train state, so
