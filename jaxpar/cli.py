@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from jaxpar.config import ConfigError, load_config
@@ -320,8 +321,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# a dotted override (train.steps=10): what a command's list of overrides takes
+OVERRIDE = re.compile(r"[A-Za-z_][\w]*(\.[\w]+)*=.*")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with overrides allowed after a command's options too (`jaxpar plan
+    CONFIG --cluster C train.steps=10`): argparse ends a list of positionals at the first option
+    and would call what follows unrecognized."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    field = next((f for f in ("overrides", "target") if isinstance(getattr(args, f, None), list)), None)
+    if extra and field is not None and all(OVERRIDE.fullmatch(e) for e in extra):
+        getattr(args, field).extend(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.fn(args)
     except ConfigError as e:

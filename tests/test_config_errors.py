@@ -160,3 +160,21 @@ def test_odd_head_dim_is_a_config_error():
     with pytest.raises(ConfigError, match=r"the head dim \(head_dim=9 = 9\) must be even"):
         tiny_config("model.head_dim=9")
     tiny_config("model.dim=96", "model.n_heads=4", "model.n_kv_heads=2")  # 24: fine
+
+
+def test_overrides_after_a_commands_options_are_overrides(capsys):
+    """`jaxpar plan CONFIG --cluster C train.compute_dtype=float16` was "unrecognized arguments":
+    argparse ends a list of positionals at the first option."""
+    from jaxpar.cli import parse
+    args = parse(["plan", "configs/llama_1b.yaml", "--cluster", "cpu8", "train.compute_dtype=float16",
+                  "mesh.data=2"])
+    assert args.target == ["configs/llama_1b.yaml", "train.compute_dtype=float16", "mesh.data=2"]
+    assert args.cluster == "cpu8"
+    args = parse(["bench", "overhead", "--json", "train.steps=3"])
+    assert (args.config, args.overrides, args.json) == (None, ["train.steps=3"], True)
+    for bad in (["plan", "c.yaml", "--cluster", "cpu8", "--bogus"], ["plan", "c.yaml", "--top", "2", "stray"],
+                ["generate", "runs/x", "--prompt", "x", "train.steps=3"]):  # generate takes no overrides
+        with pytest.raises(SystemExit) as e:
+            parse(bad)
+        assert e.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
