@@ -181,21 +181,17 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         grads = jax.lax.with_sharding_constraint(sync.global_order(grads), grad_shardings)
         metrics = {"loss": loss, "grad_norm": sync.grad_norm(grads), **flat_metrics(aux)}
         update = lambda: sync.apply(tx, grads, comm, state)
-        if scaler.dynamic:  # an overflow skips the update and halves the scale (train/loss_scale.py)
-            finite = jnp.isfinite(metrics["grad_norm"])
-            new_state = unless_nonfinite(finite & jnp.isfinite(loss), update, state)
+        finite, loss_ok = jnp.isfinite(metrics["grad_norm"]), jnp.isfinite(loss)
+        skip = skip_nonfinite or scaler.dynamic  # a dynamic loss scale skips an overflow (loss_scale.py)
+        new_state = unless_nonfinite(finite & loss_ok, update, state) if skip else update()
+        bad = ~(finite & loss_ok)
+        if scaler.dynamic:
             new_state[scaler.STATE_KEY] = scaler.next_state(state, finite)
             metrics["loss_scale"] = scale  # this step's
             metrics["overflow_steps"] = new_state[scaler.STATE_KEY]["overflows"]  # so far, this one too
-            if skip_nonfinite:  # a bad step: the loss, or an overflow the smallest scale still has
-                bad = ~jnp.isfinite(loss) | (~finite & (scale <= scaler.minimum))
-                metrics["nonfinite"] = bad.astype(jnp.int32)
-        elif skip_nonfinite:
-            ok = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
-            new_state = unless_nonfinite(ok, update, state)
-            metrics["nonfinite"] = jnp.logical_not(ok).astype(jnp.int32)
-        else:
-            new_state = update()
+            bad = ~loss_ok | (~finite & (scale <= scaler.minimum))  # an overflow the floor still has
+        if skip_nonfinite:
+            metrics["nonfinite"] = bad.astype(jnp.int32)
         if lr_schedule is not None:  # a skipped step does not advance the optimizer's count
             metrics["lr"] = lr_schedule(schedule_count(state["opt_state"]))
         if return_grads:
