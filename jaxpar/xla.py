@@ -47,7 +47,7 @@ def _gpu_plugin_present() -> bool:
     return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
-def _jaxlib_version() -> tuple[int, ...]:
+def jaxlib_version() -> tuple[int, ...]:
     """The installed jaxlib's version, read from its metadata (importing it would start nothing,
     but this module must not import JAX)."""
     try:
@@ -59,7 +59,7 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 def gpu_overlap_flags(jaxlib: tuple[int, ...] | None = None) -> dict[str, str]:
     """The GPU overlap defaults (name -> value) in the spelling of `jaxlib` (default: installed)."""
-    new = (jaxlib if jaxlib is not None else _jaxlib_version()) >= PIPELINE_MODE_SINCE
+    new = (jaxlib if jaxlib is not None else jaxlib_version()) >= PIPELINE_MODE_SINCE
     pipelined = [(f"--xla_gpu_pipeline_{k}", "on") if new else (f"--xla_gpu_enable_pipelined_{k}", "true")
                  for k in PIPELINED_COLLECTIVES]
     return {**GPU_OVERLAP_FLAGS, **dict(pipelined)}

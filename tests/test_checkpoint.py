@@ -256,25 +256,36 @@ def test_bench_checkpoint_small():
     assert r["overlap"]["step_s_no_save"] > 0
 
 
-def test_nonfinite_streak_rolls_back_and_skips_the_batch(poisoned_trainer, tmp_path):
+@pytest.mark.parametrize("bad, steps", [({2, 3}, 5), ({3, 4}, 7)])
+def test_nonfinite_streak_rolls_back_and_skips_the_batch(poisoned_trainer, tmp_path, bad, steps):
+    """{2, 3}: steps 3 and 4 (data steps 2, 3) are bad, 2 in a row = max_nonfinite, found at step
+    4's checkpoint. {3, 4}: steps 4 and 5, found at step 5's log, which is read once step 6 is
+    dispatched: that step is dropped with the rollback."""
     tr = poisoned_trainer
-    tr.poison({2, 3})  # steps 3 and 4 (data steps 2, 3) are bad: 2 in a row = max_nonfinite
+    tr.poison(bad)
+    first = min(bad)
     logs = []
     old_log, tr.log = tr.log, logs.append
-    tr.cfg.train.nonfinite_rollback, tr.cfg.checkpoint.every = True, 2
+    tr.cfg.train.nonfinite_rollback, tr.cfg.checkpoint.every, tr.cfg.train.steps = True, 2, steps
     try:
         _, hist = tr.fit(out_dir=tmp_path, progress=False)
     finally:
         tr.cfg.train.nonfinite_rollback, tr.cfg.checkpoint.every, tr.log = False, 100, old_log
-    assert any("rolled back to step 2 and skipping data step 2" in m for m in logs), logs
-    # after the roll back, step 3 trains on data step 3 (bad: skipped once more), then 4, 5
-    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5]
-    assert [h["skipped_steps"] for h in hist] == [0, 0, 3, 3, 3]
+        tr.cfg.train.steps = 5
+    assert any(f"rolled back to step 2 and skipping data step {first}" in m for m in logs), logs
+    # after the roll back, step 3 trains on data step 2 or 3, and the other bad data step is
+    # skipped once more: 3 skipped in all
+    assert [h["step"] for h in hist] == list(range(1, steps + 1))
+    skipped = [0, 0, 3, 3, 3] if first == 2 else [0, 0, 2, 3, 3, 3, 3]
+    assert [h["skipped_steps"] for h in hist] == skipped
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
-    meta = ck.read_meta(tmp_path / "checkpoints" / "5")
-    assert meta["data"]["skipped_batches"] == [2] and meta["data"]["position"] == 6
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    meta = ck.read_meta(tmp_path / "checkpoints" / str(steps))
+    assert meta["data"]["skipped_batches"] == [first] and meta["data"]["position"] == steps + 1
     assert meta["nonfinite"]["skipped"] == 3
+    # step 4's checkpoint, taken inside the streak, is set aside, not resumed from, and saved again
+    aside = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if "rolled_back" in p.name)
+    assert aside == ([] if first == 2 else ["4.rolled_back"])
 
 
 def test_sigint_is_caught_then_handlers_restored():

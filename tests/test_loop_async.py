@@ -118,6 +118,33 @@ def test_no_blocking_transfer_between_log_steps(tr, tmp_path, monkeypatch):
     assert {6, 7} <= set(probe.reads)
 
 
+def test_a_log_reads_its_step_after_the_next_is_dispatched(tr, monkeypatch):
+    """log_every=1 keeps a step queued on the devices too: step k's metrics (and the non-finite
+    flags up to k) are read once step k+1 is dispatched; only the last step waits for its own."""
+    compiled, dispatched, reads = tr.compiled, [0], []
+    original = ArrayImpl._value
+
+    def step_fn(state, batch):
+        out = compiled(state, batch)
+        dispatched[0] += 1
+        return out
+
+    def counted(array):
+        if threading.current_thread() is threading.main_thread():
+            reads.append(dispatched[0])
+        return original.fget(array)
+
+    monkeypatch.setattr(ArrayImpl, "_value", property(counted))
+    tr.cfg.train.log_every, tr.compiled = 1, step_fn
+    try:
+        _, hist = tr.fit(tr.init_state(), progress=False)
+    finally:
+        tr.compiled = compiled
+    assert [h["step"] for h in hist] == list(range(1, STEPS + 1))
+    # the dispatch count at every read: never 1 (step 1 read before step 2 was queued)
+    assert sorted({n for n in reads if n}) == list(range(2, STEPS + 1)), reads
+
+
 # ---------------------------------------------------------------- prefetch and resume
 
 
@@ -264,7 +291,7 @@ def test_xla_flags_defaults_overrides_and_errors(monkeypatch):
     assert set(jxla.gpu_overlap_flags()) <= set(names) and len(names) == len(set(names))
     assert own in flags  # replaces the default of that name
     # the collective pipeliner's switch in each jaxlib's spelling (both checked against their flags)
-    installed = ("--xla_gpu_pipeline_all_gather=on" if jxla._jaxlib_version() >= jxla.PIPELINE_MODE_SINCE
+    installed = ("--xla_gpu_pipeline_all_gather=on" if jxla.jaxlib_version() >= jxla.PIPELINE_MODE_SINCE
                  else "--xla_gpu_enable_pipelined_all_gather=true")
     assert installed in flags
     old = jxla.gpu_overlap_flags((0, 10, 2))

@@ -273,7 +273,7 @@ def test_dataflow_clock_is_megatrons_bubble():
     long as its slowest device) the same without recompute (the last stage's forward on its own
     tick: folded into the backward a 1F1B pair took 4 units; interleaved rows alternating).
     On a GPU the tensor-parallel backward has XLA:GPU's reassociated 2 all-reduces a layer."""
-    from jaxpar.planner.comm import tp_backward_all_reduces
+    from jaxpar.planner.comm import permute_itemsize, tp_backward_all_reduces
     from jaxpar.planner.layout import timetable
     from jaxpar.planner.timing import dataflow_time
     for p, m in ((2, 4), (4, 8), (8, 32)):
@@ -285,6 +285,9 @@ def test_dataflow_clock_is_megatrons_bubble():
         assert timetable("interleaved_1f1b", p, m, 2, False).lockstep_time() == pytest.approx(
             dataflow_time("interleaved_1f1b", p, m, 2))
     assert (tp_backward_all_reduces("gpu"), tp_backward_all_reduces("cpu")) == (2, 5)
+    # bf16 pipeline sends: f32 on XLA:CPU of jaxlib 0.10 (the HLO test's bf16 pipeline rows there)
+    assert [permute_itemsize(2, pl, v) for pl, v in (("cpu", (0, 10, 2)), ("cpu", (0, 11, 2)),
+                                                     ("gpu", (0, 10, 2)))] == [4, 2, 2]
 
 
 def test_long_sequences_search_context_parallelism():

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import nn
 from jaxpar.metrics.hlo import naive_dots
-from jaxpar.xla import _jaxlib_version
+from jaxpar.xla import jaxlib_version
 
 # every spec the models use (models/llama.py, models/moe.py, nn.head): x's shape, w's shape
 SPECS = {
@@ -97,6 +97,6 @@ def test_weight_gradients_are_library_dots(dtype, name):
     """With nn.project no weight gradient is left to XLA's own dot loops; JAX's autodiff of the
     plain einsum leaves them there (the check can fail)."""
     assert naive_dots(_mlp_grad_hlo(nn.project, dtype), name) == 0
-    if _jaxlib_version() < (0, 11):
+    if jaxlib_version() < (0, 11):
         pytest.skip("jaxlib < 0.11: XLA:CPU's default dots leave no naive loop to catch (0.10.2)")
     assert naive_dots(_mlp_grad_hlo(jnp.einsum, dtype), name) >= 1

@@ -109,7 +109,7 @@ class Checkpointer:
                 _, problem = attempt(lambda: _check_sums(*loaded))
                 bad = agree(problem)
             if not bad:
-                self._set_aside([x for x in steps if x > s])
+                self.set_aside([x for x in steps if x > s], "unusable")
                 return loaded[0], loaded[1], s
             failures += [f"step {s}: {reason}" for reason in bad]
             rest = [x for x in steps if x < s]
@@ -118,20 +118,22 @@ class Checkpointer:
                 warn(f"checkpoint {where} is unusable ({reason}); {then}")
         raise CheckpointError(f"no good checkpoint in {self.root}:\n  " + "\n  ".join(failures))
 
-    def _set_aside(self, unusable: list[int]) -> None:
-        """Rename unusable newer steps to `<step>.unusable` (kept for inspection), so the resumed
-        run can save those steps again. Process 0 renames (shared storage); all reload."""
-        if not unusable or self.read_only:
+    def set_aside(self, steps: list[int], why: str) -> None:
+        """Rename steps to `<step>.<why>` (kept for inspection, no longer restorable), so the run
+        can save those steps again: newer unusable steps on a restore, the steps after a rollback.
+        Process 0 renames (shared storage); all reload."""
+        if not steps or self.read_only:
             return
+        self.wait()  # a save in flight lands before its directory moves
         if jax.process_index() == 0:
-            for s in unusable:
-                src, dst = self.root / str(s), self.root / f"{s}.unusable"
+            for s in steps:
+                src, dst = self.root / str(s), self.root / f"{s}.{why}"
                 n = 1
                 while dst.exists():
-                    dst, n = self.root / f"{s}.unusable.{n}", n + 1
+                    dst, n = self.root / f"{s}.{why}.{n}", n + 1
                 if src.is_dir():
                     src.rename(dst)
-                    print_warning(f"moved the unusable checkpoint {src} aside to {dst}")
+                    print_warning(f"moved the {why.replace('_', ' ')} checkpoint {src} aside to {dst}")
         distributed.barrier("checkpoint set aside")
         self.mngr.reload()
 

@@ -41,6 +41,7 @@ import jax
 
 from jaxpar.metrics import COLLECTIVE_KINDS
 from jaxpar.sharding import ZERO_AXIS as ZERO, Plan, entry_axes
+from jaxpar.xla import jaxlib_version
 
 TP_BACKWARD_ALL_REDUCES = 5  # per layer, measured on XLA:CPU's partitioning of the backward
 
@@ -60,6 +61,14 @@ def all_reduce_itemsize(itemsize: int, platform: str) -> int:
     float32 (AllReducePromotion: the compiled step's bf16 all-reduces are f32, their reductions
     `add..._promoted`); other platforms in the compute dtype."""
     return max(itemsize, 4) if platform == "cpu" else itemsize
+
+
+def permute_itemsize(itemsize: int, platform: str, jaxlib: tuple[int, ...] | None = None) -> int:
+    """Bytes per element of a pipeline send: XLA:CPU before jaxlib 0.11 runs collective-permutes
+    of 16-bit floats in float32 (the lowered step sends bf16, the compiled one f32; read off the
+    HLO of jaxlib 0.10.2, bf16 from 0.11.2 on); other platforms and versions in the dtype."""
+    old = (jaxlib if jaxlib is not None else jaxlib_version()) < (0, 11)
+    return max(itemsize, 4) if platform == "cpu" and old else itemsize
 
 
 def sp_collectives(remat: str, platform: str) -> tuple[int, int]:
@@ -247,7 +256,8 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
             tt = timetable(layout.schedule, p, micro, v, layout.recompute)
             # the runner permutes on the ticks on which some device receives (no sends when idle)
             sends = int((tt.recv_x >= 0).any(axis=1).sum() + (tt.recv_g >= 0).any(axis=1).sum())
-            add_op(out, "collective-permute", act, p, sends, link(("pipeline",)))
+            add_op(out, "collective-permute", act * permute_itemsize(c, platform) / c, p, sends,
+                   link(("pipeline",)))
         purpose["pipeline"] = sum(r["wire_bytes"] for r in out.values()) - before
     e = layout.size("expert")
     if e > 1 and m.moe.num_experts:

@@ -354,7 +354,10 @@ class Trainer:
 
         The loop never waits for the devices between logged steps: it dispatches the next step
         while the last runs, the batches come from a prefetch thread (data.prefetch), and the
-        metrics and non-finite flags stay on the devices until a log, checkpoint or eval step."""
+        metrics and non-finite flags stay on the devices until a log, checkpoint or eval step.
+        Nor at a log: a logged step's metrics are read once the step after it is dispatched, so
+        the devices always have a step queued (log_every=1 too); only the last step, an eval or
+        a checkpoint step waits for its own."""
         cfg, t = self.cfg, self.cfg.train
         out_dir = Path(out_dir) if out_dir is not None else None
         self._open_events(out_dir)
@@ -368,25 +371,32 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_start(self, start_step, state)
         batches = self._batches(step)
+        deferred = None  # (step, metrics) of a logged step, read once the next one is dispatched
         try:
             with Preemption(cfg.checkpoint.preemption_grace_s, self.log) as preemption:
                 while step < t.steps:
                     _, batch = next(batches)
                     state, metrics = step_fn(state, batch)
                     step = done = step + 1
+                    if deferred is not None:  # before this step's flag joins the pending ones
+                        self._log_step(watch, log, *deferred)
+                        deferred = None
+                        if watch.tripped:  # a streak ended at the logged step: this one is dropped
+                            done = step - 1
                     if first and self.events is not None:  # dispatched, not waited for
                         self.events("first_step", step=step)
                     first = False
-                    watch.push(step, metrics.get("nonfinite"))
-                    for cb in self.callbacks:
-                        cb.on_step_end(self, step, state, metrics)
-                    evaluated = self._evaluate(step, state, metrics, log)
-                    logged = step % t.log_every == 0 or step == t.steps or step == 1 or evaluated
-                    saving = ckpt is not None and step % cfg.checkpoint.every == 0
-                    if logged or saving:
-                        self._learn_skipped(watch, log)
-                    if logged:
-                        log.record(step, metrics)
+                    if not watch.tripped:
+                        watch.push(step, metrics.get("nonfinite"))
+                        for cb in self.callbacks:
+                            cb.on_step_end(self, step, state, metrics)
+                        evaluated = self._evaluate(step, state, metrics, log)
+                        logged = step % t.log_every == 0 or step == t.steps or step == 1 or evaluated
+                        saving = ckpt is not None and step % cfg.checkpoint.every == 0
+                        if logged and not (saving or evaluated or step == t.steps):
+                            deferred = (step, metrics)
+                        elif logged or saving:
+                            self._log_step(watch, log, step, metrics if logged else None)
                     if watch.tripped:
                         batches.close()
                         state, step = self._on_nonfinite_streak(ckpt, state, *watch.tripped, rollbacks)
@@ -402,6 +412,8 @@ class Trainer:
                     if preemption.should_stop(step):
                         self.preempted = preemption.requested
                         break
+                if deferred is not None:  # stopped by a preemption right after a logged step
+                    self._log_step(watch, log, *deferred)
                 self._learn_skipped(watch, log)  # after a preemption: counted in the last save
                 self._final_save(ckpt, done, start_step, state)
                 if self.events is not None:
@@ -425,6 +437,12 @@ class Trainer:
         """The batches of steps `step`.. (their data steps, fixed now: a rollback starts anew)."""
         steps = [self.data_step(s) for s in range(step, self.cfg.train.steps)]
         return self.loader.prefetch(steps, self.cfg.data.prefetch)
+
+    def _log_step(self, watch: NonfiniteWatch, log: StepLog, step: int, metrics: dict | None) -> None:
+        """Learn the skipped steps up to `step` and, when `metrics` are given, log them."""
+        self._learn_skipped(watch, log)
+        if metrics is not None:
+            log.record(step, metrics)
 
     def _learn_skipped(self, watch: NonfiniteWatch, log: StepLog) -> None:
         """Fetch the pending non-finite flags (one transfer) and report the skipped steps."""
@@ -504,6 +522,9 @@ class Trainer:
         bad_batch = self.data_step(first_bad)
         del state
         state, meta, restored = self.restore_step(ckpt, good[-1])
+        # the checkpoints taken since (in or after the streak) are a future the run no longer has:
+        # set aside, so the steps can be saved again and a later resume does not start from them
+        ckpt.set_aside([s for s in ckpt.all_steps() if s > restored], "rolled_back")
         self.skipped_batches = sorted(set(self.skipped_batches) | {bad_batch})
         self.log(f"jaxpar: {msg}: rolled back to step {restored} and skipping data step {bad_batch}")
         return state, int(restored)
