@@ -145,6 +145,35 @@ def test_a_log_reads_its_step_after_the_next_is_dispatched(tr, monkeypatch):
     assert sorted({n for n in reads if n}) == list(range(2, STEPS + 1)), reads
 
 
+def test_a_log_does_not_wait_for_the_step_dispatched_after_it(tr):
+    """Step 5 is held on the devices for 3 s (a host callback queued behind it, as a long step
+    would be): step 4's log, read while step 5 runs, is written at once. A read that queues a
+    device computation (as stacking the non-finite flags did) runs after step 5 and waits."""
+    hold_s = 3.0
+    hold = jax.jit(lambda x: jax.pure_callback(lambda v: (time.sleep(hold_s), v)[1],
+                                               jax.ShapeDtypeStruct(x.shape, x.dtype), x))
+    compiled, dispatched, logged = tr.compiled, {}, {}
+
+    def step_fn(state, batch):
+        state, metrics = compiled(state, batch)
+        dispatched[len(dispatched) + 1] = time.perf_counter()
+        if len(dispatched) == 5:
+            metrics = {**metrics, "loss": hold(metrics["loss"])}
+        return state, metrics
+
+    class Logged(Callback):
+        def on_log(self, trainer, record):
+            logged[record["step"]] = time.perf_counter()
+
+    tr.cfg.train.log_every, tr.compiled, tr.callbacks = 1, step_fn, [Logged()]
+    try:
+        tr.fit(tr.init_state(), progress=False)
+    finally:
+        tr.compiled = compiled
+    assert logged[4] - dispatched[5] < hold_s / 2, (logged[4] - dispatched[5])
+    assert logged[5] - dispatched[5] > hold_s * 0.9  # the hold was real
+
+
 # ---------------------------------------------------------------- prefetch and resume
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar.checkpoint import truncate_metrics
 from jaxpar.metrics import CompositeWriter, JsonlWriter, Progress, TensorBoardWriter, mfu
@@ -38,7 +37,9 @@ class NonfiniteWatch:
         if not self.pending:
             return []
         steps = [n for n, _ in self.pending]
-        flags = jax.device_get(jnp.stack([f for _, f in self.pending]))  # one read, not one per step
+        # copies only, started together (one wait, not one per step); no device computation:
+        # one (a stack of the flags) would queue behind the step dispatched since and wait for it
+        flags = jax.device_get([f for _, f in self.pending])
         self.pending, bad = [], []
         for n, flag in zip(steps, flags):
             if not flag:
