@@ -274,6 +274,16 @@ def test_skipped_step_reported_at_the_next_log(tr):
         tr.fit(tr.init_state(), progress=False)
 
 
+def test_a_streak_ending_where_a_preemption_stops_is_acted_on(tr):
+    """Steps 4 and 5 are bad and SIGTERM arrives at step 5, a log step: its log is read before the
+    loop stops (not deferred past the stop), so the streak stops the run as it would without
+    the signal, instead of a preempted save over it."""
+    tr.loader.source.bad = {3, 4}
+    tr.callbacks = [StopAt(5)]
+    with pytest.raises(TrainingStopped, match=r"2 non-finite steps in a row \(steps 4..5;"):
+        tr.fit(tr.init_state(), progress=False)
+
+
 # ---------------------------------------------------------------- the watchdog
 
 

@@ -393,7 +393,8 @@ class Trainer:
                         evaluated = self._evaluate(step, state, metrics, log)
                         logged = step % t.log_every == 0 or step == t.steps or step == 1 or evaluated
                         saving = ckpt is not None and step % cfg.checkpoint.every == 0
-                        if logged and not (saving or evaluated or step == t.steps):
+                        stopping = preemption.should_stop(step)
+                        if logged and not (saving or evaluated or stopping or step == t.steps):
                             deferred = (step, metrics)
                         elif logged or saving:
                             self._log_step(watch, log, step, metrics if logged else None)
@@ -409,11 +410,9 @@ class Trainer:
                         jax.block_until_ready(state)
                         with log.paused():
                             self._save_blocking(ckpt, step, state)
-                    if preemption.should_stop(step):
+                    if stopping:
                         self.preempted = preemption.requested
                         break
-                if deferred is not None:  # stopped by a preemption right after a logged step
-                    self._log_step(watch, log, *deferred)
                 self._learn_skipped(watch, log)  # after a preemption: counted in the last save
                 self._final_save(ckpt, done, start_step, state)
                 if self.events is not None:
