@@ -182,9 +182,10 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
         metrics = {"loss": loss, "grad_norm": sync.grad_norm(grads), **flat_metrics(aux)}
         update = lambda: sync.apply(tx, grads, comm, state)
         finite, loss_ok = jnp.isfinite(metrics["grad_norm"]), jnp.isfinite(loss)
+        ok = finite & loss_ok
         skip = skip_nonfinite or scaler.dynamic  # a dynamic loss scale skips an overflow (loss_scale.py)
-        new_state = unless_nonfinite(finite & loss_ok, update, state) if skip else update()
-        bad = ~(finite & loss_ok)
+        new_state = unless_nonfinite(ok, update, state) if skip else update()
+        bad = ~ok
         if scaler.dynamic:
             new_state[scaler.STATE_KEY] = scaler.next_state(state, finite)
             metrics["loss_scale"] = scale  # this step's
