@@ -185,9 +185,10 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _data(args: argparse.Namespace) -> int:
     if args.action == "train-tokenizer":
-        from jaxpar.data.tokenizer import train_bpe
+        from jaxpar.data.tokenizer import train_bpe, trained_size
         out = train_bpe(args.files, args.vocab_size, args.output)
-        print(f"{out}: byte-level BPE, vocab {args.vocab_size}, trained on {len(args.files)} files")
+        print(f"{out}: byte-level BPE, {trained_size(out, args.vocab_size)}, trained on "
+              f"{len(args.files)} files")
         return 0
     from jaxpar.data.prepare import prepare
     r = prepare(args.tokenizer, args.output, args.files, workers=args.workers, text_field=args.text_field)
@@ -200,14 +201,16 @@ def _data(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from jaxpar.generate import generate_text
     print(generate_text(args.src, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                        top_p=args.top_p, seed=args.seed, devices=args.devices))
+                        top_p=args.top_p, seed=args.seed, devices=args.devices, tokenizer=args.tokenizer))
     return 0
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from jaxpar.checkpoint import inspect
-    print(inspect(args.dir, verify_data=args.verify))
-    return 0
+    """The report; exit 1 when a finished step is unusable (scripts check it before deleting)."""
+    from jaxpar.checkpoint.report import inspect_report
+    text, usable = inspect_report(args.dir, verify_data=args.verify)
+    print(text)
+    return 0 if usable else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -251,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins = ck_sub.add_parser("inspect", help="steps (complete or not), arrays, saved mesh, config")
     ins.add_argument("dir", help="a run dir, its checkpoints/ dir, or one step dir")
     ins.add_argument("--verify", action="store_true",
-                     help="also load every complete step and compare its checksums")
+                     help="also load every complete step and compare its checksums (exit 1 when a "
+                          "step is corrupted or incomplete)")
     ins.set_defaults(fn=_checkpoint)
     cv = sub.add_parser("convert", help="Hugging Face checkpoints: jaxpar convert from-hf HF_DIR OUT_CKPT "
                         "| to-hf RUN_OR_CKPT OUT_DIR")
@@ -272,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--seed", type=int, default=0)
     ge.add_argument("--devices", type=int, default=1,
                     help="decode tensor-parallel over this many local devices (heads split over them)")
+    ge.add_argument("--tokenizer", default=None, metavar="PATH",
+                    help="a tokenizer.json to use instead of the run's (data.tokenizer)")
     ge.set_defaults(fn=_generate)
     da = sub.add_parser("data", help="jaxpar data prepare | train-tokenizer")
     da_sub = da.add_subparsers(dest="action", required=True)

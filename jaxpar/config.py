@@ -109,6 +109,11 @@ class ModelConfig(Strict):
     attention: Literal[ATTENTION_IMPLEMENTATIONS] = "auto"
     attention_block: int = Field(512, gt=0, description="query/key tile of blockwise attention")
     attention_threshold: int = Field(2048, gt=0, description="auto: blockwise from this seq_len on")
+    # not the shape: what an imported model (jaxpar/hf) says of itself, kept for generate and export
+    max_positions: int | None = Field(None, gt=0,
+                                      description="the model's context (HF max_position_embeddings)")
+    bos_token_id: int | None = Field(None, ge=0)
+    eos_token_id: int | list[int] | None = Field(None, description="generate stops at it (any of a list)")
 
     @model_validator(mode="before")
     @classmethod
@@ -613,11 +618,21 @@ class ObserveConfig(Strict):
 
 class ProfileConfig(Strict):
     """`steps: [start, end]` traces steps start..end (inclusive, counted from 1) with
-    jax.profiler into `<run dir>/<dir>` (TensorBoard's profile plugin or Perfetto)."""
+    jax.profiler into `<run dir>/<dir>` (TensorBoard's profile plugin or Perfetto). `dir` is
+    relative and stays inside the run dir (`jaxpar profile RUN_DIR` looks there)."""
 
     steps: list[int] | None = None
     dir: str = "profile"
     perfetto: bool = True
+
+    @field_validator("dir")
+    @classmethod
+    def _inside_run_dir(cls, v: str) -> str:
+        # checkpoint.dir's rule for '..' (CheckpointConfig._inside_run_dir), and no absolute path
+        if os.path.isabs(v) or os.path.normpath(v).split(os.sep)[0] == "..":
+            raise ValueError("traces go inside the run dir (<run_dir>/<name>): use a relative path "
+                             "without '..' (default 'profile'), not an absolute one")
+        return v
 
     @field_validator("steps")
     @classmethod
@@ -768,7 +783,10 @@ def _format_errors(err: ValidationError, cls: type[BaseModel]) -> str:
             lines.append(f"unknown key {where!r}.{hint} valid keys here: {', '.join(valid)}")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{where} = {e.get('input')!r}: {msg}")
+            value = e.get("input")
+            # a section's own check (e.g. eval.every needs a split) names its fields itself: the
+            # whole section's dict would only bury the message
+            lines.append(f"{where}: {msg}" if isinstance(value, dict) else f"{where} = {value!r}: {msg}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
@@ -791,7 +809,13 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like a.b=value")
         key, raw = item.split("=", 1)
-        out.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"override {item!r}: {raw!r} is not a YAML value ({first}); a list "
+                              f"looks like [1, 2], a string with such characters needs quotes") from None
+        out.append((key.strip(), value))
     return out
 
 

@@ -8,12 +8,16 @@ a token's output never depends on which tokens share its step). Decoding is the 
 (models/llama.py): the prompt in one jitted call (prefill), then one jitted call per token, each
 writing its keys and values into the cache. Temperature 0 is greedy (argmax); otherwise the
 logits are divided by the temperature and sampled from the smallest set of tokens whose
-probability reaches `top_p` (nucleus sampling). Text goes through the run's tokenizer
-(data.tokenizer, or the one that prepared data.bin_path) or, without one, bytes.
+probability reaches `top_p` (nucleus sampling). Text goes through `--tokenizer`, else the run's
+tokenizer (data.tokenizer, or the one that prepared data.bin_path) or, without one, bytes.
+The context is model.max_positions (an imported model's max_position_embeddings) or else
+train.seq_len; decoding stops at model.eos_token_id (any of a list) when set, else at the
+tokenizer's end-of-text token.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -47,20 +51,48 @@ class Codec:
     name: str = "bytes"
 
 
-def codec_for(cfg: Config) -> Codec:
-    path = cfg.data.tokenizer
+def codec_for(cfg: Config, tokenizer: str | Path | None = None) -> Codec:
+    """The run's text <-> ids (`tokenizer`, a tokenizer.json, overrides the run's)."""
+    path = tokenizer or cfg.data.tokenizer
     if not path and cfg.data.source == "bin" and cfg.data.bin_path:
         meta = Path(str(cfg.data.bin_path) + ".json")  # written by jaxpar data prepare
         if meta.is_file():
             path = json.loads(meta.read_text()).get("tokenizer")
     if path:
-        tok = Tokenizer(path)
-        tok.check_vocab(cfg.model.vocab_size)
+        what = "--tokenizer" if tokenizer else "data.tokenizer"
+        tok = Tokenizer(path, what, need_eos=cfg.model.eos_token_id is None)
+        tok.check_vocab(cfg.model.vocab_size, what)
         return Codec(tok.encode, tok.decode, tok.eos_id, str(path))
     if cfg.model.vocab_size < text.VOCAB_SIZE:
         raise ConfigError(f"generate: the run has no data.tokenizer and model.vocab_size="
                           f"{cfg.model.vocab_size} is too small for bytes ({text.VOCAB_SIZE})")
     return Codec(text.encode, text.decode)
+
+
+def context_of(model_cfg, seq_len: int) -> tuple[int, str]:
+    """(the decode context, where it comes from): model.max_positions, else train.seq_len."""
+    if model_cfg.max_positions:
+        return model_cfg.max_positions, "model.max_positions"
+    return seq_len, "train.seq_len"
+
+
+def stop_ids(model_cfg, codec: Codec) -> tuple[int, ...]:
+    """The ids that end a generation: model.eos_token_id (int or list) when set, else the codec's."""
+    eos = model_cfg.eos_token_id
+    if eos is None:
+        return () if codec.eos_id is None else (codec.eos_id,)
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def check_options(max_tokens: int, temperature: float, top_p: float) -> None:
+    """A ConfigError naming the one bad sampling option (NaN fails every check)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"generate: --temperature {temperature} must be a finite number >= 0 "
+                          f"(0: greedy)")
+    if not 0.0 < top_p <= 1.0:
+        raise ConfigError(f"generate: --top-p {top_p} must be in (0, 1] (1: the whole distribution)")
+    if not max_tokens >= 0:
+        raise ConfigError(f"generate: --max-tokens {max_tokens} must be >= 0")
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -117,8 +149,10 @@ class Generator:
     """Decoding from `params` (a Llama's or MoELlama's, any placement) with a KV cache of
     `context` tokens, placed by `cache_sharding` (default: where jax puts it)."""
 
-    def __init__(self, model_cfg, params, context: int, dtype=jnp.float32, cache_sharding=None):
+    def __init__(self, model_cfg, params, context: int, dtype=jnp.float32, cache_sharding=None,
+                 context_from: str = "train.seq_len"):
         self.model_cfg, self.params, self.context, self.dtype = model_cfg, params, context, dtype
+        self.context_from = context_from
         self.cache_sharding = cache_sharding
         self.model = model_def(model_cfg)
 
@@ -135,20 +169,20 @@ class Generator:
         self._sample = jax.jit(sample)
 
     def generate(self, prompt: np.ndarray, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, eos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 seed: int = 0, eos_id: int | tuple[int, ...] | list[int] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
         """(the new token ids, the float32 logits [prompt + new - 1, vocab] that predicted each
         position after the first). The prompt must fit the context; generation stops at `eos_id`
-        or when the context is full."""
+        (any of them, when several) or when the context is full."""
+        check_options(max_tokens, temperature, top_p)
+        stops = set() if eos_id is None else {int(eos_id)} if np.ndim(eos_id) == 0 else set(map(int, eos_id))
         prompt = np.asarray(prompt, np.int32).reshape(-1)
         n = len(prompt)
         if n == 0:
             raise ConfigError("generate: the prompt is empty; give --prompt some text")
         if n > self.context:
             raise ConfigError(f"generate: the prompt is {n} tokens, longer than the model's context of "
-                              f"{self.context} tokens (its train.seq_len); shorten the prompt")
-        if not 0.0 < top_p <= 1.0 or temperature < 0 or max_tokens < 0:
-            raise ConfigError(f"generate: --top-p {top_p} must be in (0, 1], --temperature {temperature} "
-                              f">= 0 and --max-tokens {max_tokens} >= 0")
+                              f"{self.context} tokens (its {self.context_from}); shorten the prompt")
         length = min(self.context, n + max_tokens)
         cache = init_cache(self.model_cfg, 1, length, self.dtype)
         if self.cache_sharding is not None:
@@ -167,7 +201,7 @@ class Generator:
                 token, last, cache = self._step(self.params, token, cache, jnp.int32(pos - 1), sub, temp, p)
                 all_logits.append(np.asarray(last)[None])
             out.append(int(token))
-            if eos_id is not None and out[-1] == eos_id:
+            if out[-1] in stops:
                 break
         return np.array(out, np.int32), np.concatenate(all_logits)[: n + len(out) - 1]
 
@@ -193,12 +227,16 @@ def load(src: str | Path, devices: int = 1) -> tuple[Config, Any, Path, Placemen
 
 
 def generate_text(src: str | Path, prompt: str, max_tokens: int = 200, temperature: float = 0.8,
-                  top_p: float = 0.95, seed: int = 0, devices: int = 1) -> str:
-    """What `jaxpar generate` prints: the prompt and its continuation."""
+                  top_p: float = 0.95, seed: int = 0, devices: int = 1,
+                  tokenizer: str | Path | None = None) -> str:
+    """What `jaxpar generate` prints: the prompt and its continuation (without its end token)."""
+    check_options(max_tokens, temperature, top_p)  # before loading anything
     cfg, params, _, where = load(src, devices)
-    codec = codec_for(cfg)
-    gen = Generator(cfg.model, params, cfg.train.seq_len, DTYPES[cfg.train.param_dtype], where.cache)
-    ids, _ = gen.generate(codec.encode(prompt), max_tokens, temperature, top_p, seed, codec.eos_id)
-    if codec.eos_id is not None and len(ids) and ids[-1] == codec.eos_id:
+    codec = codec_for(cfg, tokenizer)
+    stops = stop_ids(cfg.model, codec)
+    context, context_from = context_of(cfg.model, cfg.train.seq_len)
+    gen = Generator(cfg.model, params, context, DTYPES[cfg.train.param_dtype], where.cache, context_from)
+    ids, _ = gen.generate(codec.encode(prompt), max_tokens, temperature, top_p, seed, stops)
+    if len(ids) and int(ids[-1]) in stops:
         ids = ids[:-1]
     return prompt + codec.decode(ids)

@@ -29,6 +29,11 @@ Use = Literal["param", "opt", "grad", "act"]
 ZERO_AXIS = "fsdp"
 
 
+def path_name(path) -> str:
+    """'layers/wq' for a pytree key path (how errors name a param)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 @dataclass(frozen=True)
 class Plan:
     """The sharding plan: mesh + logical rules + ZeRO stage."""
@@ -68,6 +73,12 @@ class Plan:
         used: set[str] = set()
         out = []
         for i, logical in enumerate(axes):
+            if logical is not None and logical not in self.rules:
+                raise ConfigError(
+                    f"{name or 'array'}: dim {i} is named {logical!r}, which no sharding rule knows "
+                    f"(a typo would leave the dim replicated); known logical axes: "
+                    f"{', '.join(sorted(self.rules))}; a new name needs a rule, e.g. "
+                    f"sharding.rules.{logical}=[] (replicated) or =[tensor]")
             mesh_axes = []
             for a in self.rules.get(logical, ()) if logical else ():
                 if use != "act" and a == ZERO_AXIS and not self._keeps(use):
@@ -123,8 +134,8 @@ class Plan:
 
     def tree_specs(self, axes_tree, shapes_tree, use: Use):
         """Specs for a pytree of params given matching trees of logical axes and shapes."""
-        return jax.tree.map(
-            lambda ax, sh: self.spec(ax, sh.shape, use),
+        return jax.tree_util.tree_map_with_path(
+            lambda path, ax, sh: self.spec(ax, sh.shape, use, name=path_name(path)),
             axes_tree, shapes_tree, is_leaf=lambda x: isinstance(x, tuple),
         )
 
@@ -245,12 +256,14 @@ def vary_together(tree, *refs):
     return jax.tree.map(lambda x: vary(x, tuple(sorted(axes))), tree)
 
 
-def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...], int]]) -> dict:
+def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...], int]],
+                      unnamed: frozenset[str] = frozenset()) -> dict:
     """Fail when more than the tolerance of parameter bytes is replicated against the plan.
 
     `named_specs` maps a param path to (spec, shape, itemsize). Only meaningful when the plan
     shards parameters at all (ZeRO-3 over fsdp, or tensor/pipeline/expert > 1); a param counts
-    as replicated when its spec shards none of its dims.
+    as replicated when its spec shards none of its dims. `unnamed`: the params with no logical
+    axis names at all (no rule can reach them; the message says so).
     """
     total = sum(math.prod(sh) * isz for _, sh, isz in named_specs.values())
     sharded_any = plan.shards_params
@@ -261,11 +274,16 @@ def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...
     if sharded_any and frac > plan.replicated_tolerance:
         worst = sorted(repl.items(), key=lambda kv: -kv[1])[:5]
         listing = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for n, b in worst)
+        bare = [n for n, _ in worst if n in unnamed]
+        how = (f"{', '.join(bare)} {'has' if len(bare) == 1 else 'have'} no logical axis names, so no "
+               f"rule can shard {'it' if len(bare) == 1 else 'them'}: create weights with "
+               f"jaxpar.nn.param(rngs, shape, axes) (or nnx.Param(..., axes=...)), or" if bare else
+               "Shard them with sharding.rules (their logical axes to mesh axes), or")
         raise ConfigError(
             f"{frac:.1%} of parameter bytes are replicated, above sharding.replicated_tolerance="
-            f"{plan.replicated_tolerance}; largest: {listing}. Shard them with sharding.rules (their "
-            f"logical axes to mesh axes), or accept it with sharding.replicated_tolerance="
-            f"{math.ceil(frac * 100) / 100:.2f} (a fraction of the bytes, 0-1)"
+            f"{plan.replicated_tolerance}; largest: {listing}. {how} accept it with "
+            f"sharding.replicated_tolerance={math.ceil(frac * 100) / 100:.2f} (a fraction of the "
+            f"bytes, 0-1)"
         )
     return report
 

@@ -106,7 +106,7 @@ def test_corrupted_latest_falls_back_then_clear_error(tmp_path, devices):
     mgr.close()
 
 
-def test_inspect_cli(tmp_path, devices, capsys):
+def test_inspect_cli(tmp_path, devices, capsys, monkeypatch):
     root = tmp_path / "run" / "checkpoints"
     _save_steps(root, devices, [2, 4])
     (root / "6.orbax-checkpoint-tmp-1234").mkdir()  # a save that was killed
@@ -114,15 +114,29 @@ def test_inspect_cli(tmp_path, devices, capsys):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
-    assert cli_main(["checkpoint", "inspect", str(tmp_path / "run"), "--verify"]) == 0
+    # orbax's record of the saved shardings, truncated: a resume does not read it, nor does verify
+    sharding = root / "2" / "state" / "_sharding"
+    assert sharding.is_file()
+    sharding.write_bytes(sharding.read_bytes()[:10])
+    monkeypatch.chdir(tmp_path)  # a relative path (orbax wants absolute ones)
+    assert cli_main(["checkpoint", "inspect", "run", "--verify"]) == 1  # step 4 is corrupted
     out = capsys.readouterr().out
-    assert "step        2  complete, checksums ok" in out
+    assert "step        2  complete, checksums ok (warning: " in out
+    assert "_sharding is unreadable" in out and "the data is intact" in out
     assert "step        4  CORRUPTED: " in out
     assert "step        6  INCOMPLETE: interrupted save" in out
     assert "mesh data=8 on 8 devices" in out
     assert "params/w" in out and "64x32" in out and "float32" in out
     assert "config:" in out and "dim: 4" in out
     assert cli_main(["checkpoint", "inspect", str(tmp_path / "nowhere")]) == 2
+    shutil.rmtree(root / "4")
+    assert cli_main(["checkpoint", "inspect", "run", "--verify"]) == 0  # only usable steps (and a tmp dir)
+    # a truncated _sharding does not keep a resume from the step (so verify does not call it corrupted)
+    host = _state(devices)[0]
+    mgr = ck.Checkpointer(root)
+    _, _, step = mgr.restore(_target(devices, 4, host), warn=pytest.fail)
+    mgr.close()
+    assert step == 2
 
 
 def test_resume_and_inspect_read_a_named_path_alike(tmp_path):
@@ -397,3 +411,142 @@ def test_processes_fall_back_together_and_a_bug_is_not_damage(tmp_path, devices,
     wrapped = Exception("Encountered error while reading array index")
     wrapped.__cause__ = ValueError('OUT_OF_RANGE: Error reading "w/0.0" of local file "/c/2/state/d/x"')
     assert ck.damage(wrapped) is wrapped.__cause__ and ck.damage(KeyError("w")) is None
+
+
+# ---------------------------------------------------------------- config changes on resume
+
+
+def test_other_dtype_is_one_error_not_damage(tmp_path, devices):
+    """A target with another dtype (as after optimizer.mu_dtype=bfloat16) is not damage: one
+    error naming the path, no fall back, no step set aside (checksums never compared)."""
+    root = tmp_path / "c"
+    host = _save_steps(root, devices, [1, 2])
+    target = _target(devices, 4, host)
+    mu = target["opt_state"]["mu"]
+    target["opt_state"]["mu"] = jax.ShapeDtypeStruct(mu.shape, jax.numpy.bfloat16, sharding=mu.sharding)
+    warnings = []
+    mgr = ck.Checkpointer(root)
+    with pytest.raises(ck.CheckpointError, match="holds another train state") as e:
+        mgr.restore(target, warn=warnings.append)
+    assert "opt_state/mu: checkpoint float32[64x32], config bfloat16[64x32]" in str(e.value)
+    assert "checksum" not in str(e.value) and warnings == []
+    assert mgr.all_steps() == [1, 2]
+    del target["opt_state"]["count"]  # another structure: named too, still no fall back
+    with pytest.raises(ck.CheckpointError, match="opt_state/count: only in the checkpoint"):
+        mgr.restore(target, warn=warnings.append)
+    assert warnings == [] and sorted(p.name for p in root.iterdir()) == ["1", "2"]
+    mgr.close()
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, devices):
+    """A tiny trainer that saved steps 1 and 2 (a module's fits share its compiled step)."""
+    from jaxpar.train.trainer import Trainer
+    out = tmp_path_factory.mktemp("saved_run")
+    logs = []
+    tr = Trainer(tiny_config("mesh.data=8", "train.steps=2", "checkpoint.every=1"), devices=devices,
+                 log=logs.append)
+    tr.fit(out_dir=out, progress=False)
+    return tr, out, logs
+
+
+@pytest.mark.parametrize("change, field, back", [
+    ("optimizer.mu_dtype=bfloat16", "optimizer.mu_dtype: checkpoint 'float32', config 'bfloat16'",
+     "optimizer.mu_dtype=float32"),
+    ("optimizer.clip_norm=null", "optimizer.clip_norm: checkpoint 1.0, config None", "optimizer.clip_norm=1.0"),
+])
+def test_resume_with_another_optimizer_state_names_the_settings(saved_run, tmp_path, devices,
+                                                                change, field, back):
+    from jaxpar.train.trainer import Trainer
+    _, out, _ = saved_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    tr = Trainer(tiny_config("mesh.data=8", "train.steps=4", "checkpoint.every=1", change), devices=devices,
+                 log=lambda m: None)
+    with pytest.raises(ck.CheckpointError, match="holds another train state") as e:
+        tr.restore(out_dir=run)
+    msg = str(e.value)
+    assert field in msg and f"resume with the checkpoint's values ({back})" in msg, msg
+    assert "train.init_from=" in msg and "opt_state/" in msg
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2"]  # nothing moved
+
+
+def test_resume_from_an_older_step_of_the_run_supersedes_later_ones(saved_run, tmp_path):
+    """train.resume=<own checkpoints>/1 with step 2 there: step 2 is moved aside before training,
+    so the run saves its own step 2; a changed seed and batch are named on resume."""
+    tr, out, logs = saved_run
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    cfg = tr.cfg
+    saved = (cfg.train.resume, cfg.train.seed)
+    cfg.train.resume, cfg.train.seed = str(run / "checkpoints" / "1"), 7
+    logs.clear()
+    try:
+        state, start, _ = tr.restore(out_dir=run)
+        assert start == 1
+        _, hist = tr.fit(state, start, out_dir=run, progress=False)
+    finally:
+        cfg.train.resume, cfg.train.seed = saved
+    assert [h["step"] for h in hist] == [2]
+    notice = [m for m in logs if m.startswith("resume: changed since the checkpoint")]
+    assert notice == ["resume: changed since the checkpoint: train.seed 0 -> 7 (the data order will "
+                      "differ from the original run's)"], logs
+    assert any("its later checkpoints (2) are moved aside" in m for m in logs), logs
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == ["1", "2", "2.superseded"]
+
+
+def test_resume_notices_name_batch_seed_and_seq_len(tmp_path, devices):
+    cfg = tiny_config(f"run_dir={tmp_path}", "name=r")
+    mgr = ck.Checkpointer(ck.checkpoint_dir(cfg))
+    _, state = _state(devices)
+    mgr.save(3, state, {"devices": 8}, cfg.model_dump(mode="json"))
+    mgr.close()
+    assert ck.plan_resume(cfg, 8).notices == []
+    plan = ck.plan_resume(tiny_config(f"run_dir={tmp_path}", "name=r", "train.global_batch=32",
+                                      "train.seq_len=64"), 8)
+    assert plan.notices == ["train.global_batch 16 -> 32", "train.seq_len 32 -> 64"]
+
+
+def test_second_signal_waits_for_the_save(saved_run, tmp_path, monkeypatch):
+    """SIGINT at step 1, again while its save is in flight: the save completes, the run stops
+    cleanly, and only then is the checkpoint reported as saved."""
+    import signal
+    from jaxpar.train.callbacks import Callback
+    tr, _, logs = saved_run
+
+    class First(Callback):
+        def on_step_end(self, trainer, step, state, metrics):
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    save = ck.Checkpointer.save
+
+    def save_then_signal(self, step, *a, **kw):
+        save(self, step, *a, **kw)  # async: the files are still being written
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(ck.Checkpointer, "save", save_then_signal)
+    monkeypatch.setattr(tr, "callbacks", [First()])
+    logs.clear()
+    tr.fit(out_dir=tmp_path, progress=False)
+    assert tr.preempted == "SIGINT"
+    assert logs[-1] == f"stopped by SIGINT after step 1: checkpoint saved in {tr.checkpointer.root / '1'}; " \
+                       f"metrics flushed"
+    assert ck.check_complete(tmp_path / "checkpoints" / "1") == []
+    # a stop whose save did not land says so
+    assert "the save of step 5 did not complete; the latest complete checkpoint is" in \
+        tr._stop_message(tr.checkpointer, False, 5)
+
+
+def test_third_signal_exits_without_a_traceback():
+    import subprocess
+    import sys
+    code = ("import os, signal, time\nfrom jaxpar.checkpoint import Preemption\n"
+            "Preemption(30).__enter__()\n"
+            "for _ in range(3):\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(0.2)\n"
+            "time.sleep(60)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 128 + 15 and "Traceback" not in r.stderr, r.stderr
+    assert "SIGTERM again: still finishing" in r.stderr and "SIGTERM a third time" in r.stderr, r.stderr

@@ -1,6 +1,9 @@
 """Sampling: KV-cached decoding gives the full forward's logits at every position, greedy decoding
 is the argmax of the full forward, `jaxpar generate` reads a checkpoint saved in any layout, and
 bad input is one clear error."""
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +106,26 @@ def test_generate_cli_reads_a_sharded_checkpoint(tmp_path, devices, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["generate", str(tmp_path / "empty"), "--prompt", "x"]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+    # exported, a jaxpar-trained model's context is its train.seq_len; no token ids are known
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["max_position_embeddings"] == 32 and "eos_token_id" not in exported
+    assert not (tmp_path / "hf" / "generation_config.json").exists()
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("--temperature", "nan", "--temperature nan must be a finite number >= 0"),
+    ("--temperature", "-1", "--temperature -1.0 must be a finite number >= 0"),
+    ("--top-p", "0", r"--top-p 0.0 must be in \(0, 1\]"),
+    ("--top-p", "nan", r"--top-p nan must be in \(0, 1\]"),
+    ("--max-tokens", "-3", "--max-tokens -3 must be >= 0"),
+])
+def test_bad_sampling_option_is_named_alone(tmp_path, capsys, option, value, match):
+    """Checked before any checkpoint is read; the message names only the bad option."""
+    assert main(["generate", str(tmp_path / "nope"), "--prompt", "x", option, value]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and "Traceback" not in err
+    assert not [o for o in ("--temperature", "--top-p", "--max-tokens") if o != option and o in err]
 
 
 def test_generate_uses_the_runs_tokenizer(tmp_path):

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpar.checkpoint import CheckpointError, read_config
 from jaxpar.cli import main as cli_main
 from jaxpar.config import ConfigError, ModelConfig, make_config
 from jaxpar.hf.convert import load_checkpoint_params
 from jaxpar.hf.hfconfig import HFError, hf_config, model_config, read_hf_config
-from jaxpar.hf.init import init_config
+from jaxpar.hf.init import checkpoint_step_dir, init_config
 from jaxpar.hf.reading import load_params
 from jaxpar.hf.writing import write_hf
 from jaxpar.train.model import ModelDef
@@ -202,7 +203,7 @@ def test_init_from_fills_the_model_and_rejects_another_shape():
 # ------------------------------------------------------------------ bad input: one clear error each
 
 
-def copy_fixture(tmp_path, name="llama_gqa", config=None, drop=None, reshape=None) -> Path:
+def copy_fixture(tmp_path, name="llama_gqa", config=None, drop=None, reshape=None, add=None) -> Path:
     d = tmp_path / name
     d.mkdir()
     shutil.copy(FIXTURES / name / "config.json", d / "config.json")
@@ -213,6 +214,8 @@ def copy_fixture(tmp_path, name="llama_gqa", config=None, drop=None, reshape=Non
         del tensors[drop]
     if reshape:
         tensors[reshape] = tensors[reshape][:-1]
+    for k, v in (add or {}).items():
+        tensors[k] = v
     st().save_file(tensors, str(d / "model.safetensors"))
     return d
 
@@ -250,6 +253,9 @@ def test_bad_tensors(tmp_path):
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
      "rope_parameters.rope_type = 'yarn' is not supported"),
     ("model_type", "gpt2", "model_type = 'gpt2' is not supported"),
+    ("architectures", ["LlamaForSequenceClassification"],
+     r"architectures = \['LlamaForSequenceClassification'\] is not supported .*\['LlamaForCausalLM'\]"),
+    ("eos_token_id", "</s>", "eos_token_id = '</s>' is not a token id"),
 ])
 def test_unsupported_fields(tmp_path, field, value, match):
     hf = {**read_hf_config(FIXTURES / "llama_gqa"), field: value}
@@ -285,3 +291,95 @@ def test_bench_convert_smoke(devices):
     r = mod.run(cfg, repeats=1)
     assert r["import"]["mb_per_s"] > 0 and r["export"]["mb_per_s"] > 0 and r["zero_stage"] == 3
     assert "import" in mod.format_result(r)
+
+
+def test_unexpected_tensors_are_an_error_unless_harmless(tmp_path):
+    """A tensor no param reads (a layer the config lacks, a bias) is one error listing them; rotary
+    inv_freq buffers and lm_head beside tied embeddings are what transformers itself ignores."""
+    w = np.zeros((160, 64), np.float32)
+    extra = {"model.layers.5.mlp.up_proj.weight": w, "model.layers.0.self_attn.q_proj.bias": w[0]}
+    (tmp_path / "a").mkdir()
+    expect_error(copy_fixture(tmp_path / "a", add=extra),
+                 r"2 tensors that config.json does not account for: model.layers.0.self_attn.q_proj.bias, "
+                 r"model.layers.5.mlp.up_proj.weight")
+    harmless = {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}
+    tied = {**read_hf_config(FIXTURES / "llama_gqa"), "tie_word_embeddings": True}
+    d = copy_fixture(tmp_path, config=tied, add=harmless)  # keeps its lm_head.weight
+    assert "lm_head.weight" in st().load_file(str(d / "model.safetensors"))
+    assert "head" not in load_params(d, model_config(read_hf_config(d)))
+
+
+def test_export_writes_back_token_ids_and_context(converted, tmp_path):
+    """Import then export keeps config.json's bos/eos ids and max_position_embeddings, and writes
+    generation_config.json with the ids (transformers' generate reads them there)."""
+    out = tmp_path / "exported"
+    assert cli_main(["convert", "to-hf", str(converted), str(out)]) == 0
+    for name, keys in (("config.json", ("bos_token_id", "eos_token_id", "max_position_embeddings")),
+                       ("generation_config.json", ("bos_token_id", "eos_token_id"))):
+        ref, mine = (json.loads((p / name).read_text()) for p in (FIXTURES / "llama_gqa", out))
+        assert {k: mine[k] for k in keys} == {k: ref[k] for k in keys}, name
+
+
+def test_from_hf_errors_name_the_dir_and_wrong_dirs_are_named(converted, tmp_path, capsys):
+    assert cli_main(["convert", "from-hf", str(tmp_path / "nothing"), str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'nothing'}: not a directory" in err and "train.init_from" not in err
+    assert cli_main(["convert", "to-hf", str(FIXTURES / "llama_gqa"), str(tmp_path / "o")]) == 2
+    assert "is a Hugging Face model dir" in capsys.readouterr().err
+    # a run whose checkpoint.dir is not RUN/checkpoints: its config.yaml says where
+    run = tmp_path / "run"
+    shutil.copytree(converted, run / "ckpt")
+    (run / "config.yaml").write_text("checkpoint:\n  dir: ckpt\n")
+    assert checkpoint_step_dir(run, what="generate") == run / "ckpt" / "0"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint step in .*checkpoint.dir"):
+        checkpoint_step_dir(tmp_path / "empty", what="generate")
+
+
+def test_init_from_vocab_is_fixed_and_text_takes_the_hf_tokenizer(tmp_path):
+    from jaxpar.data.tokenizer import train_bpe
+    d = copy_fixture(tmp_path)
+    spec = f"train.init_from=hf:{d}"
+    assert init_config(make_config({}, [spec, "data.source=text"])).data.tokenizer is None
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 50)
+    train_bpe([corpus], 300, d / "tokenizer.json")
+    assert init_config(make_config({}, [spec, "data.source=text"])).data.tokenizer == str(d / "tokenizer.json")
+    (tmp_path / "d.bin").write_bytes(b"\0\0")
+    (tmp_path / "d.bin.json").write_text(json.dumps({"vocab_size": 1000, "dtype": "uint16"}))
+    with pytest.raises(ConfigError, match=r"vocabulary is fixed at 320, but data.bin_path=.* vocabulary of "
+                                          r"1000; prepare the data with a tokenizer that fits"):
+        init_config(make_config({}, [spec, "data.source=bin", f"data.bin_path={tmp_path / 'd.bin'}"]))
+
+
+def test_from_hf_then_generate_uses_the_hf_tokenizer_eos_and_context(imported, tmp_path, capsys):
+    """from-hf copies the HF dir's tokenizer (data.tokenizer names the copy); generate encodes with
+    it, stops at generation_config.json's eos ids (which win over config.json's) and decodes within
+    max_position_embeddings (256, not the default train.seq_len 128)."""
+    from jaxpar.data.tokenizer import Tokenizer, train_bpe
+    from jaxpar.generate import Generator
+    d = copy_fixture(tmp_path)
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 50)
+    tok = Tokenizer(train_bpe([corpus], 300, d / "tokenizer.json"))
+    prompt = "def add(x, y):\n    return"
+    m, params = imported["llama_gqa"]
+    greedy, _ = Generator(m, params, context=256).generate(tok.encode(prompt), 8, temperature=0.0)
+    k = next(i for i in range(1, 8) if greedy[i] not in greedy[:i])  # the first new token: eos
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [319, int(greedy[k])]}))
+    out = tmp_path / "ckpt"
+    assert cli_main(["convert", "from-hf", str(d), str(out)]) == 0
+    saved = read_config(out / "0")
+    assert saved["data"]["tokenizer"] == str(out / "tokenizer.json") and (out / "generation_config.json").is_file()
+    assert saved["model"]["max_positions"] == 256 and saved["model"]["eos_token_id"] == [319, int(greedy[k])]
+    capsys.readouterr()
+    assert cli_main(["generate", str(out), "--prompt", prompt, "--max-tokens", "8", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(greedy[:k]) + "\n"
+    long = "a + b " * 50  # ~150 tokens: over train.seq_len (128), within max_position_embeddings
+    assert 128 < len(tok.encode(long)) < 256
+    assert cli_main(["generate", str(out), "--prompt", long, "--max-tokens", "1", "--temperature", "0"]) == 0
+    capsys.readouterr()
+    assert cli_main(["generate", str(out), "--prompt", long * 2, "--max-tokens", "1"]) == 2
+    assert "longer than the model's context of 256 tokens (its model.max_positions)" in capsys.readouterr().err
+    assert cli_main(["generate", str(out), "--prompt", "x", "--tokenizer", str(tmp_path / "none.json")]) == 2
+    assert "--tokenizer=" in capsys.readouterr().err

@@ -251,6 +251,19 @@ def test_observe_config_errors():
     assert build_callbacks(tiny_config()) == []  # everything off by default
 
 
+@pytest.mark.parametrize("bad", ["../../escprof", "/tmp/prof", "a/../../b"])
+def test_profile_dir_stays_inside_the_run_dir(bad, tmp_path):
+    """Traces go into <run dir>/<profile.dir>: a dir that leaves it is refused, naming the field
+    and value; one that stays (even through '..') is fine."""
+    with pytest.raises(ConfigError, match=r"profile.dir = '" + re.escape(bad) + "'.*relative path"):
+        tiny_config(f"profile.dir={bad}")
+    assert tiny_config("profile.dir=traces/../prof").profile.dir == "traces/../prof"
+    # a hand-edited config.yaml never points `jaxpar profile` outside the run either
+    from jaxpar.observe.profiler import run_profile_dir
+    (tmp_path / "config.yaml").write_text(f"profile:\n  dir: {bad}\n")
+    assert run_profile_dir(tmp_path) == "profile"
+
+
 def test_jaxpar_train_attaches_callbacks(tmp_path):
     rc = main(["train", str(ROOT / "configs/quickstart.yaml"), f"run_dir={tmp_path}", "train.steps=3",
                "train.progress=false", "model.n_layers=1", "train.seq_len=32", "data.source=synthetic",

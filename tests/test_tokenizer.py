@@ -120,3 +120,15 @@ def test_parquet_input(prepared, tmp_path):
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"text": ["a parquet row", "another"]}), tmp_path / "p.parquet")
     assert prepare(prepared[0], tmp_path / "p.bin", [tmp_path / "p.parquet"], progress=False)["documents"] == 2
+
+
+def test_train_tokenizer_reports_the_vocab_it_got(tmp_path, capsys):
+    """Too little text for the merges asked: the printed vocab is the file's, and says why."""
+    (tmp_path / "a.txt").write_text("def add(a, b):\n    return a + b\n" * 20)
+    out = tmp_path / "tok.json"
+    assert cli_main(["data", "train-tokenizer", "--vocab-size", "100000", "--output", str(out),
+                     str(tmp_path / "a.txt")]) == 0
+    got = Tokenizer(out).vocab_size
+    merges = len(json.loads(out.read_text())["model"]["merges"])
+    assert got < 100000 and merges == got - 257
+    assert f"vocab {got} (asked 100000: the text gave only {merges} merges)" in capsys.readouterr().out

@@ -8,7 +8,9 @@ A checkpoint is one orbax step directory `<run dir>/checkpoints/<step>/` with th
 
 Orbax writes a step into a temporary directory and renames it when every item is written, so a
 step directory that exists is whole; a run killed mid-save leaves only a temporary directory,
-which the next run deletes. A step whose files were damaged afterwards (truncated, bit flips)
+which the next run deletes. A step saved with another state (another optimizer, mu_dtype,
+param_dtype: see `compat`) is one error naming what differs, never taken for damage. A step whose
+files were damaged afterwards (truncated, bit flips)
 fails to restore or fails its checksum, and restore falls back to the previous step. With several
 processes they fall back together: a step is used only when every process read it and it passed
 its checksums (`agree`), so one host's damaged file never splits the group across two steps.
@@ -23,6 +25,7 @@ One job per module:
   integrity   checksums of the arrays
   errors      CheckpointError, and which exceptions mean a damaged step
   agreement   every process's verdict on a step
+  compat      does a step hold the state this config builds; settings changed since it
   store       the orbax Checkpointer: save, verified restore with fall back
   layout      the saved batch layout and the elastic one to resume with
   resume      train.resume planning, metrics.jsonl cut back to the resumed step
@@ -30,20 +33,20 @@ One job per module:
   report      `jaxpar checkpoint inspect`
 """
 from jaxpar.checkpoint.agreement import agree
-from jaxpar.checkpoint.errors import CheckpointError, damage
+from jaxpar.checkpoint.errors import CheckpointError, StateMismatch, damage
 from jaxpar.checkpoint.files import (DEFAULT_DIR, FORMAT, ITEMS, check_complete, checkpoint_dir,
                                      ensure_writable, list_steps, locate, read_config, read_meta)
 from jaxpar.checkpoint.integrity import fingerprint, verify
 from jaxpar.checkpoint.layout import adapt_layout, batch_parallel, fit_mesh, layout_meta
 from jaxpar.checkpoint.preemption import Preemption
-from jaxpar.checkpoint.report import inspect
+from jaxpar.checkpoint.report import inspect, inspect_report
 from jaxpar.checkpoint.resume import ResumePlan, plan_resume, resolve_source, truncate_metrics
 from jaxpar.checkpoint.store import CORE_KEYS, Checkpointer, restore_params
 
 __all__ = [
     "CORE_KEYS", "DEFAULT_DIR", "FORMAT", "ITEMS", "CheckpointError", "Checkpointer", "Preemption",
-    "ResumePlan", "adapt_layout", "agree", "batch_parallel", "check_complete", "checkpoint_dir", "damage",
-    "ensure_writable", "fingerprint", "fit_mesh", "inspect", "layout_meta", "list_steps", "locate",
-    "plan_resume", "read_config", "read_meta", "resolve_source", "restore_params", "truncate_metrics",
-    "verify",
+    "ResumePlan", "StateMismatch", "adapt_layout", "agree", "batch_parallel", "check_complete",
+    "checkpoint_dir", "damage", "ensure_writable", "fingerprint", "fit_mesh", "inspect",
+    "inspect_report", "layout_meta", "list_steps", "locate", "plan_resume", "read_config",
+    "read_meta", "resolve_source", "restore_params", "truncate_metrics", "verify",
 ]

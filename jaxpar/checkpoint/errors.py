@@ -16,6 +16,11 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used (none good, wrong model, no layout fits): one clear message."""
 
 
+class StateMismatch(CheckpointError):
+    """A whole checkpoint whose state this config does not build (another optimizer, dtypes):
+    not damage, so restore stops with it instead of falling back and calling good steps unusable."""
+
+
 def print_warning(msg: str) -> None:
     print(f"jaxpar: warning: {msg}", file=sys.stderr, flush=True)
 
@@ -30,6 +35,8 @@ def damage(e: BaseException | None) -> BaseException | None:
     truncated, not JSON, a checksum mismatch, a tensorstore read error, which orbax wraps in a
     plain Exception), or None: anything else is a bug and propagates."""
     while e is not None:
+        if isinstance(e, StateMismatch):  # a config change, never damage
+            return None
         if isinstance(e, (CheckpointError, OSError, json.JSONDecodeError, UnicodeDecodeError)):
             return e
         if isinstance(e, ValueError) and str(e).split(":", 1)[0] in _STORE_CODES:

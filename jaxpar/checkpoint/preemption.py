@@ -16,8 +16,10 @@ class Preemption:
 
     With jax.distributed (more than one process), every process asks jax's preemption sync point
     (which learns of SIGTERM through the coordination service), so all agree on the step to save.
-    Otherwise jaxpar installs its own handlers; a second signal restores the default behaviour.
-    A grace timer started by the signal ends the process if saving takes longer than `grace_s`."""
+    Otherwise jaxpar installs its own handlers. A second signal is ignored with a message: it would
+    interrupt the save it asked for, and the grace timer (started by the first) already bounds the
+    wait, ending the process if saving takes longer than `grace_s`. A third exits at once, without
+    the save (the previous complete checkpoint is kept), never with a traceback."""
 
     def __init__(self, grace_s: float = 60.0, log: Callable[[str], None] = print) -> None:
         self.grace_s = grace_s
@@ -26,6 +28,7 @@ class Preemption:
         self.distributed = jax.process_count() > 1
         self._old: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
+        self.repeats = 0  # signals after the first
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is not threading.main_thread():
@@ -50,11 +53,8 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.requested is not None:  # second signal: the default behaviour
-            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            os.kill(os.getpid(), signum)
+        if self.requested is not None:
+            self._again(name, signum)
             return
         self.requested = name
         print(f"jaxpar: {name} received: finishing this step, saving, exiting "
@@ -62,6 +62,18 @@ class Preemption:
         self._timer = threading.Timer(self.grace_s, self._expired)
         self._timer.daemon = True
         self._timer.start()
+
+    def _again(self, name: str, signum: int) -> None:
+        """A signal after the first: the second waits for the save, the third gives it up."""
+        self.repeats += 1
+        if self.repeats == 1:
+            print(f"jaxpar: {name} again: still finishing the step and saving it (interrupting the "
+                  f"save would lose it; at most {self.grace_s:g}s from the first signal); send it once "
+                  f"more to exit now without saving", file=sys.stderr, flush=True)
+            return
+        print(f"jaxpar: error: {name} a third time: exiting without saving this step (the previous "
+              f"complete checkpoint is kept)", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
 
     def _expired(self) -> None:
         print(f"jaxpar: error: the preemption grace period ({self.grace_s:g}s) ran out before the "

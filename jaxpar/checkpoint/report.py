@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -17,7 +18,14 @@ from jaxpar.checkpoint.integrity import verify
 
 def inspect(path: str | Path, verify_data: bool = False) -> str:
     """A report of the checkpoints under `path` (a run dir, its checkpoints dir or one step)."""
-    p = Path(path)
+    return inspect_report(path, verify_data)[0]
+
+
+def inspect_report(path: str | Path, verify_data: bool = False) -> tuple[str, bool]:
+    """(the report of `inspect`, whether every finished step is usable): `jaxpar checkpoint
+    inspect` exits 1 when one is not (corrupted, or a step directory with parts missing); an
+    interrupted save (a temporary directory the next run deletes) is not damage."""
+    p = Path(path).absolute()  # orbax reads only absolute paths
     if not p.exists():
         raise CheckpointError(f"{p}: no such directory")
     root, only = locate(p)
@@ -26,9 +34,11 @@ def inspect(path: str | Path, verify_data: bool = False) -> str:
         raise CheckpointError(f"{p}: no checkpoints here (expected step directories like {root}/100)")
     lines = [f"checkpoints in {root}:"]
     latest_ok = None  # the newest step to describe in full
+    usable = True
     for step, d, finalized in entries:
         problems = check_complete(d) if finalized else ["interrupted save (temporary directory)"]
         status = "complete" if not problems else "INCOMPLETE: " + "; ".join(problems)
+        usable = usable and not (finalized and problems)
         extra = ""
         if not problems:
             meta = read_meta(d)
@@ -37,8 +47,10 @@ def inspect(path: str | Path, verify_data: bool = False) -> str:
                      f"batch {meta.get('global_batch')} (grad_accum {meta.get('grad_accum')}), "
                      f"saved {meta.get('time', '?')}")
             if verify_data:
-                bad = _verify_on_host(root, step, meta)
+                bad, warning = _verify_on_host(root, step, meta)
                 status = "complete, checksums ok" if not bad else "CORRUPTED: " + bad
+                status += f" (warning: {warning})" if warning else ""
+                usable = usable and not bad
             if not verify_data or not bad:
                 latest_ok = (step, d)
         lines.append(f"  step {step:>8}  {status}{extra}")
@@ -62,21 +74,73 @@ def inspect(path: str | Path, verify_data: bool = False) -> str:
             lines.append(f"  {name.ljust(w)}  {shape:>16}  {dtype}")
         lines.append("\nconfig:")
         lines.append("  " + yaml.safe_dump(read_config(d), sort_keys=False).rstrip().replace("\n", "\n  "))
-    return "\n".join(lines)
+    return "\n".join(lines), usable
 
 
-def _verify_on_host(root: Path, step: int, meta: dict) -> str:
-    """Load one step onto the first local device and compare checksums ('' when good)."""
+def _verify_on_host(root: Path, step: int, meta: dict) -> tuple[str, str]:
+    """Load one step onto the first local device and compare checksums: (why it is unusable, a
+    warning), '' for none. The step is read as a resume reads it, onto a target of its own; so
+    orbax's record of the saved shardings (`state/_sharding`), which neither needs, is only
+    checked for a warning: a resume uses the step, and calling it corrupted would invite deleting
+    good data."""
     import orbax.checkpoint as ocp  # heavy (seconds): only --verify reads arrays
+    state_dir = Path(root).absolute() / str(step) / "state"
     try:
         dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        md = ocp.StandardCheckpointHandler().metadata(root / str(step) / "state")
-        tree = getattr(md, "item_metadata", None) or getattr(md, "tree", None) or md
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=dev), tree,
-                              is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-        with ocp.StandardCheckpointer() as c:
-            state = c.restore(root / str(step) / "state", target)
+        target = _saved_tree(state_dir, meta, dev)
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            state = handler.restore(state_dir, args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
+        finally:
+            handler.close()
         bad = verify(state, meta)
-        return "" if not bad else "checksum mismatch in " + ", ".join(bad[:3])
+        if bad:
+            return "checksum mismatch in " + ", ".join(bad[:3]), ""
     except Exception as e:  # noqa: BLE001
-        return short(e)
+        return short(e), ""
+    return "", _sharding_warning(state_dir)
+
+
+def _saved_tree(state_dir: Path, meta: dict, sharding) -> dict:
+    """The saved tree as ShapeDtypeStructs on `sharding`: its containers from orbax's `_METADATA`,
+    the shapes and dtypes from the meta (not orbax's metadata(), which reads `_sharding` too)."""
+    entries = json.loads((state_dir / "_METADATA").read_text())["tree_metadata"].values()
+    arrays = meta.get("arrays") or {}
+    tree: dict = {}
+    sequences: set[int] = set()  # ids of the nodes orbax saved as lists
+    for e in entries:
+        keys = e["key_metadata"]
+        node = tree
+        for k in keys[:-1]:
+            if k["key_type"] == 1:
+                sequences.add(id(node))
+            node = node.setdefault(k["key"], {})
+        if keys[-1]["key_type"] == 1:
+            sequences.add(id(node))
+        path = "/".join(k["key"] for k in keys)
+        if e["value_metadata"]["value_type"] == "None":
+            node[keys[-1]["key"]] = None
+        else:
+            a = arrays[path]  # KeyError: a leaf the meta does not describe (damage)
+            node[keys[-1]["key"]] = jax.ShapeDtypeStruct(tuple(a["shape"]), jax.numpy.dtype(a["dtype"]),
+                                                         sharding=sharding)
+
+    def build(node):
+        if not isinstance(node, dict):
+            return node
+        kids = {k: build(v) for k, v in node.items()}
+        return [kids[k] for k in sorted(kids, key=int)] if id(node) in sequences else kids
+    return build(tree)
+
+
+def _sharding_warning(state_dir: Path) -> str:
+    """'' when orbax's `_sharding` record is absent or valid JSON, else what is wrong with it."""
+    f = state_dir / "_sharding"
+    try:
+        if f.is_file():
+            json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        return (f"{f} is unreadable ({short(e, 120)}): orbax's record of the saved shardings, which "
+                f"a resume does not need (it restores onto the current mesh); the data is intact")
+    return ""

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 
 from jaxpar.checkpoint.agreement import agree, attempt, steps_anywhere
+from jaxpar.checkpoint.compat import field_differences, resume_notices
 from jaxpar.checkpoint.errors import CheckpointError, print_warning
 from jaxpar.checkpoint.files import checkpoint_dir, list_steps, locate, read_config, read_meta
 from jaxpar.checkpoint.layout import adapt_layout
@@ -46,6 +47,7 @@ class ResumePlan:
     step: int | None = None           # a fixed step, or None for the latest good one
     meta: dict | None = None          # meta of the step the layout was planned from
     changes: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)  # settings changed since the checkpoint
 
     @property
     def resuming(self) -> bool:
@@ -67,13 +69,12 @@ def _first_readable_meta(root: Path, step: int | None) -> tuple[int, dict, dict]
     return None
 
 
+MODEL_SHAPE_FIELDS = tuple(f"model.{k}" for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
+                                                    "head_dim", "ffn_dim", "tie_embeddings"))
+
+
 def _model_differences(saved: dict, cfg: Config) -> list[str]:
-    now = cfg.model.model_dump(mode="json")
-    then = saved.get("model", {})
-    shape_fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                    "tie_embeddings")
-    return [f"model.{k}: checkpoint {then.get(k)!r}, config {now.get(k)!r}"
-            for k in shape_fields if k in then and then.get(k) != now.get(k)]
+    return field_differences(saved, cfg.model_dump(mode="json"), MODEL_SHAPE_FIELDS)
 
 
 def plan_resume(cfg: Config, n_devices: int | None = None, own_root: Path | None = None,
@@ -114,7 +115,8 @@ def plan_resume(cfg: Config, n_devices: int | None = None, own_root: Path | None
     if adapt and cfg.checkpoint.elastic and int(meta.get("devices", n)) != n:
         cfg, adapted = adapt_layout(cfg, meta, n)
         changes += adapted
-    return ResumePlan(cfg, root, step, meta, changes)
+    notices = resume_notices(saved_cfg, cfg.model_dump(mode="json"))
+    return ResumePlan(cfg, root, step, meta, changes, notices)
 
 
 def truncate_metrics(path: Path, step: int) -> int:

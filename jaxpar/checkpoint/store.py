@@ -13,8 +13,9 @@ import jax
 
 from jaxpar import distributed
 from jaxpar.checkpoint.agreement import agree, attempt, steps_anywhere
+from jaxpar.checkpoint.compat import check_state
 from jaxpar.checkpoint.errors import CheckpointError, print_warning
-from jaxpar.checkpoint.files import FORMAT, ITEMS, check_complete, ensure_writable, read_meta
+from jaxpar.checkpoint.files import FORMAT, ITEMS, check_complete, ensure_writable, read_config, read_meta
 from jaxpar.checkpoint.integrity import fingerprint, leaf_paths, verify
 from jaxpar.config import Config
 
@@ -92,18 +93,21 @@ class Checkpointer:
 
     # -- restore
     def restore(self, abstract_state: Any, step: int | None = None,
-                warn: Callable[[str], None] = print_warning) -> tuple[Any, dict, int]:
+                warn: Callable[[str], None] = print_warning,
+                config: dict | None = None) -> tuple[Any, dict, int]:
         """(state, meta, step) from `step`, or the latest good step. `abstract_state` holds
         ShapeDtypeStructs with the shardings to restore onto (any mesh). A step that fails to
         load on any process, or whose checksums differ, is reported with `warn` and every
-        process tries the previous one."""
+        process tries the previous one. A step saved with another state structure or dtypes
+        (a config change, not damage) stops it with one StateMismatch naming the differences
+        from `config` (the current config, as JSON), before any array is read."""
         steps = [step] if step is not None else steps_anywhere(self.all_steps())
         if not steps:
             raise CheckpointError(f"no checkpoints in {self.root}")
         failures = []
         for s in steps:
             where = self.root / str(s)
-            loaded, problem = attempt(lambda: self._load(abstract_state, s))
+            loaded, problem = attempt(lambda: self._load(abstract_state, s, config))
             bad = agree(problem)
             if not bad:  # every process holds its part: the checksums are one global computation
                 _, problem = attempt(lambda: _check_sums(*loaded))
@@ -137,8 +141,9 @@ class Checkpointer:
         distributed.barrier("checkpoint set aside")
         self.mngr.reload()
 
-    def _load(self, abstract_state: Any, s: int) -> tuple[Any, dict]:
-        """This process's part of step `s` (raises a damage error when it cannot be read)."""
+    def _load(self, abstract_state: Any, s: int, config: dict | None = None) -> tuple[Any, dict]:
+        """This process's part of step `s` (raises a damage error when it cannot be read, and
+        StateMismatch when it holds another state than `abstract_state`)."""
         ocp = self.ocp
         where = self.root / str(s)
         if not where.is_dir():
@@ -149,6 +154,7 @@ class Checkpointer:
         meta = read_meta(where)
         # parts of the state that cannot carry over are left out (partial restore)
         target, dropped = restorable(abstract_state, meta)
+        check_state(target, meta, where, _config_or_none(where) if config is not None else None, config)
         item = ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
             partial_restore=bool(dropped))
@@ -160,6 +166,14 @@ class Checkpointer:
         finally:
             handler.close()
         return state, {**meta, "reset": dropped}
+
+
+def _config_or_none(step_dir: Path) -> dict | None:
+    """The step's saved config, or None when it cannot be read (only named in an error)."""
+    try:
+        return read_config(step_dir)
+    except CheckpointError:
+        return None
 
 
 def _check_sums(state: Any, meta: dict) -> None:
@@ -175,7 +189,8 @@ CORE_KEYS = ("step", "params", "opt_state")
 def restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
     """The part of the target state a checkpoint can fill, and the top-level keys it cannot:
     state beside step/params/opt_state (e.g. gradient-compression residuals, one row per batch
-    device) whose saved shapes differ from the current ones, or that is new or gone."""
+    device) whose saved shapes or dtypes differ from the current ones, or that is new or gone.
+    (The core keys must match: `compat.check_state`.)"""
     saved = meta.get("arrays")
     if not saved or not isinstance(abstract_state, dict):
         return abstract_state, []
@@ -184,9 +199,10 @@ def restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
     for key, sub in abstract_state.items():
         if key in CORE_KEYS:
             continue
-        now = {f"{key}/{p}" if p else key: list(x.shape)
+        now = {f"{key}/{p}" if p else key: [list(x.shape), str(x.dtype)]
                for p, x in zip(leaf_paths(sub), jax.tree.leaves(sub))}
-        then = {p: a["shape"] for p, a in saved.items() if p == key or p.startswith(key + "/")}
+        then = {p: [list(a["shape"]), str(a.get("dtype"))] for p, a in saved.items()
+                if p == key or p.startswith(key + "/")}
         if now != then:
             dropped.append(key)
     extra = sorted(saved_tops - set(abstract_state))

@@ -21,9 +21,10 @@ TRAINED_EOS = "<|endoftext|>"
 
 
 class Tokenizer:
-    """A loaded tokenizer.json: encode / decode, vocab_size, eos_id."""
+    """A loaded tokenizer.json: encode / decode, vocab_size, eos_id (None only with
+    need_eos=False: generating for a model that names its own eos token id)."""
 
-    def __init__(self, path: str | Path, what: str = "data.tokenizer"):
+    def __init__(self, path: str | Path, what: str = "data.tokenizer", need_eos: bool = True):
         from tokenizers import Tokenizer as HFTokenizer  # optional: only subword data needs it
         self.path = Path(path).expanduser()
         if not self.path.is_file():
@@ -37,10 +38,10 @@ class Tokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         ids = [self.tok.token_to_id(n) for n in EOS_NAMES]
         found = [i for i in ids if i is not None]
-        if not found:
+        if not found and need_eos:
             raise ConfigError(f"{what}={str(path)!r} has no end-of-text token (one of "
                               f"{', '.join(EOS_NAMES)}) to separate documents")
-        self.eos_id = found[0]
+        self.eos_id = found[0] if found else None
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
@@ -90,6 +91,17 @@ def train_bpe(files: Sequence[str | Path], vocab_size: int, output: str | Path,
     tok.save(str(out))
     json.loads(out.read_text())  # written whole
     return out
+
+
+def trained_size(path: str | Path, asked: int) -> str:
+    """`vocab N` of a trained tokenizer.json, saying why when the text gave fewer than `asked`
+    (BPE stops when no pair is frequent enough to merge)."""
+    saved = json.loads(Path(path).read_text())
+    got = Tokenizer(path, what="--output").vocab_size
+    if got >= asked:
+        return f"vocab {got}"
+    merges = len(saved.get("model", {}).get("merges", []))
+    return f"vocab {got} (asked {asked}: the text gave only {merges} merges)"
 
 
 @functools.lru_cache(maxsize=4)

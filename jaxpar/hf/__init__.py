@@ -4,7 +4,7 @@ One job per module:
   hfconfig  config.json <-> `model.*` (and the fields jaxpar cannot represent: HFError)
   layout    which HF tensor fills which jaxpar param, and the transposes/reshapes between them
   reading   safetensors (one file or sharded with an index) -> params placed on their shardings
-  writing   params -> safetensors (+ index when sharded) and config.json
+  writing   params -> safetensors (+ index when sharded), config.json (+ generation_config.json)
   init      `train.init_from` (hf:DIR or a jaxpar checkpoint): the model config and the params
   convert   `jaxpar convert from-hf` / `to-hf`
 

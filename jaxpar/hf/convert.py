@@ -1,11 +1,14 @@
 """`jaxpar convert from-hf HF_DIR OUT_CKPT` and `jaxpar convert to-hf RUN_OR_CKPT OUT_DIR`.
 
 from-hf writes a jaxpar checkpoint (step 0: the HF weights, a fresh AdamW state) that
-`train.init_from: OUT_CKPT` (params only) or `train.resume: OUT_CKPT` start from; to-hf writes
-the params of a run's latest (or a named) step as config.json + safetensors.
+`train.init_from: OUT_CKPT` (params only) or `train.resume: OUT_CKPT` start from, and copies the
+HF dir's tokenizer files beside it (its saved data.tokenizer names the copy, so `jaxpar generate`
+speaks the model's tokens); to-hf writes the params of a run's latest (or a named) step as
+config.json (+ generation_config.json) + safetensors.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -14,25 +17,36 @@ import numpy as np
 
 from jaxpar.checkpoint import Checkpointer, CheckpointError, list_steps, read_config, restore_params
 from jaxpar.config import ModelConfig, make_config
-from jaxpar.hf.hfconfig import HFError
+from jaxpar.hf.hfconfig import HFError, read_model_config
 from jaxpar.hf.init import checkpoint_step_dir
+from jaxpar.hf.layout import entries
+from jaxpar.hf.reading import SafetensorsDir
 from jaxpar.hf.writing import write_hf
 from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.model import ModelDef
 from jaxpar.train.trainer import Trainer
 
+# what a tokenizer of an HF dir is made of (tokenizer.json is the one jaxpar reads)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
 
 def from_hf(hf_dir: str | Path, out_ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     """Convert an HF model dir into a jaxpar checkpoints dir (one step, 0); returns its step dir."""
     out = Path(out_ckpt).absolute()
+    # its errors name the HF dir alone (not a train.init_from never set), before anything is written
+    m = read_model_config(hf_dir)
+    SafetensorsDir(hf_dir).check(entries(m), m.tie_embeddings)
     if any(ok for _, _, ok in list_steps(out)):
         raise CheckpointError(f"{out} already holds checkpoints; convert into a new directory")
     n = jax.device_count()
+    tokenizer = copy_tokenizer(Path(hf_dir), out)
     # ZeRO-3 over every device: each holds 1/n of the params (and of the fresh optimizer state)
     cfg = make_config({}, [f"train.init_from=hf:{Path(hf_dir).absolute()}", "data.source=synthetic",
                            "mesh.data=1", "mesh.fsdp=-1", "sharding.zero_stage=3",
                            "sharding.replicated_tolerance=1", f"train.global_batch={n}",
-                           "train.progress=false", f"checkpoint.dir={out}"])
+                           "train.progress=false", f"checkpoint.dir={out}"]
+                      + ([f"data.tokenizer={tokenizer}"] if tokenizer else []))
     trainer = Trainer(cfg, log=lambda s: None)
     state = trainer.init_state()
     ckpt = Checkpointer(out, async_save=False, keep_last=1, log=log)
@@ -45,6 +59,16 @@ def from_hf(hf_dir: str | Path, out_ckpt: str | Path, log: Callable[[str], None]
         f"(model: dim {m.dim}, {m.n_layers} layers, {m.n_heads}/{m.n_kv_heads} heads, vocab {m.vocab_size}"
         + (f", {m.moe.num_experts} experts top-{m.moe.top_k}" if m.moe.num_experts else "") + ")")
     return out / "0"
+
+
+def copy_tokenizer(hf_dir: Path, out: Path) -> Path | None:
+    """Copy the HF dir's tokenizer files into `out`; the copied tokenizer.json (or None)."""
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (hf_dir / name).is_file():
+                shutil.copyfile(hf_dir / name, out / name)
+    return out / "tokenizer.json" if (hf_dir / "tokenizer.json").is_file() else None
 
 
 def load_checkpoint_params(src: str | Path) -> tuple[dict, ModelConfig, Path]:
@@ -68,6 +92,10 @@ def to_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
     out = Path(out_dir)
     if (out / "config.json").exists():
         raise HFError(f"{out} already holds a config.json; export into a new directory")
+    if model.max_positions is None:  # the context it was trained for
+        seq_len = (read_config(step_dir).get("train") or {}).get("seq_len")
+        if isinstance(seq_len, int) and seq_len > 0:
+            model = model.model_copy(update={"max_positions": seq_len})
     files = write_hf(params, model, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
     log(f"{step_dir} -> {out}: " + ", ".join(p.name for p in files))
     return files

@@ -2,8 +2,10 @@
 
 Reads both styles found in published checkpoints: `rope_theta` / `rope_scaling` at the top level
 (most Llama 3.x) and the newer `rope_parameters` (transformers >= 5). Anything jaxpar's model
-cannot represent (biases, another activation, sliding-window attention, another RoPE scaling)
-is an HFError naming the field, never a silent approximation.
+cannot represent (biases, another activation, sliding-window attention, another RoPE scaling,
+another head than the causal LM's) is an HFError naming the field, never a silent approximation.
+`max_position_embeddings` and the bos/eos token ids (generation_config.json's win: generate
+reads them there) are kept in model.* so that export writes them back and generate stops at eos.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 DEFAULTS = {"llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False},
             "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "tie_word_embeddings": False}}
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+GENERATION = "generation_config.json"
 
 
 class HFError(ConfigError):
@@ -39,6 +42,55 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise HFError(f"{path} must hold a JSON object, got {type(raw).__name__}")
     return raw
+
+
+def read_generation_config(hf_dir: str | Path) -> dict:
+    """The parsed generation_config.json of `hf_dir`, {} when it has none."""
+    path = Path(hf_dir) / GENERATION
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise HFError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _tokens(hf: dict, generation: dict, where: str) -> dict[str, Any]:
+    """max_positions, bos_token_id, eos_token_id (generation_config.json's ids win)."""
+    out: dict[str, Any] = {}
+    n = hf.get("max_position_embeddings")
+    if n is not None:
+        if not _is_id(n) or n == 0:
+            raise HFError(f"{where}: max_position_embeddings = {n!r}: a positive integer is required")
+        out["max_positions"] = n
+    for key in ("bos_token_id", "eos_token_id"):
+        src, file = (generation, GENERATION) if generation.get(key) is not None else (hf, where)
+        v = src.get(key)
+        if v is None:
+            continue
+        ok = _is_id(v) or (key == "eos_token_id" and isinstance(v, list) and v and all(map(_is_id, v)))
+        if not ok:
+            valid = "a token id (an integer >= 0)" + (" or a list of them" if key == "eos_token_id" else "")
+            raise HFError(f"{file}: {key} = {v!r} is not {valid}")
+        out[key] = v
+    return out
+
+
+def _architecture(hf: dict, kind: str, where: str) -> None:
+    """`architectures`, when given, must name the causal LM jaxpar reads (not a classifier's head)."""
+    archs = hf.get("architectures")
+    if archs is None:
+        return
+    if not (isinstance(archs, list) and ARCHITECTURES[kind] in archs):
+        raise HFError(f"{where}: architectures = {archs!r} is not supported for model_type {kind!r}; "
+                      f"jaxpar reads the causal LM: [{ARCHITECTURES[kind]!r}]")
 
 
 def _rope(hf: dict, where: str) -> tuple[float | None, dict | None]:
@@ -82,12 +134,14 @@ def _unsupported(hf: dict, kind: str, where: str) -> None:
                       f"(jaxpar's attention is full causal); null is")
 
 
-def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
-    """The `model.*` fields (a ModelConfig's input) of a parsed HF config."""
+def model_fields(hf: dict, where: str = "config.json", generation: dict | None = None) -> dict[str, Any]:
+    """The `model.*` fields (a ModelConfig's input) of a parsed HF config (and its parsed
+    generation_config.json, whose bos/eos token ids win)."""
     kind = hf.get("model_type")
     if kind not in ARCHITECTURES:
         raise HFError(f"{where}: model_type = {kind!r} is not supported; valid: "
                       f"{', '.join(ARCHITECTURES)}")
+    _architecture(hf, kind, where)
     _unsupported(hf, kind, where)
     for key in REQUIRED:
         if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
@@ -102,6 +156,7 @@ def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
         rope_theta=float(theta if theta is not None else DEFAULTS[kind]["rope_theta"]),
         rope_scaling=scaling, norm_eps=float(hf["rms_norm_eps"]),
         tie_embeddings=bool(hf["tie_word_embeddings"]), init_std=float(hf.get("initializer_range", 0.02)))
+    fields.update(_tokens(hf, generation or {}, where))
     if fields["head_dim"] == hf["hidden_size"] // hf["num_attention_heads"]:
         fields["head_dim"] = None  # jaxpar's default: dim // n_heads
     if kind == "mixtral":
@@ -113,9 +168,9 @@ def model_fields(hf: dict, where: str = "config.json") -> dict[str, Any]:
     return fields
 
 
-def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
+def model_config(hf: dict, where: str = "config.json", generation: dict | None = None) -> ModelConfig:
     """A validated ModelConfig of a parsed HF config (the jaxpar validation errors as HFError)."""
-    fields = model_fields(hf, where)
+    fields = model_fields(hf, where, generation)
     try:
         return ModelConfig.model_validate(fields)
     except Exception as e:  # pydantic's ValidationError: name the HF file, keep the first line
@@ -123,8 +178,21 @@ def model_config(hf: dict, where: str = "config.json") -> ModelConfig:
                       f"{str(e).splitlines()[-1] if str(e) else e}") from None
 
 
+def read_model_config(hf_dir: str | Path) -> ModelConfig:
+    """The ModelConfig of an HF model dir: config.json and generation_config.json (if any)."""
+    return model_config(read_hf_config(hf_dir), str(Path(hf_dir) / "config.json"),
+                        read_generation_config(hf_dir))
+
+
+def generation_config(m: ModelConfig) -> dict[str, Any] | None:
+    """generation_config.json for a jaxpar model: its bos/eos ids (None when neither is known)."""
+    ids = {k: getattr(m, k) for k in ("bos_token_id", "eos_token_id") if getattr(m, k) is not None}
+    return {"_from_model_config": True, **ids} if ids else None
+
+
 def hf_config(m: ModelConfig) -> dict[str, Any]:
-    """config.json for a jaxpar model (RoPE in both styles)."""
+    """config.json for a jaxpar model (RoPE in both styles; max_position_embeddings and the
+    bos/eos ids only where model.* knows them)."""
     moe = m.moe.num_experts > 0
     if moe and (m.moe.every_n != 1 or m.moe.shared_expert or m.moe.expert_ffn_dim not in (None, m.ffn_dim)
                 or m.moe.normalize_gates is False):
@@ -146,6 +214,9 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": m.tie_embeddings, "hidden_act": "silu", "initializer_range": m.init_std,
         "dtype": "float32",
     }
+    if m.max_positions is not None:
+        out["max_position_embeddings"] = m.max_positions
+    out.update({k: getattr(m, k) for k in ("bos_token_id", "eos_token_id") if getattr(m, k) is not None})
     if kind == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     else:

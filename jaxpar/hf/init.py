@@ -5,6 +5,10 @@ The source decides the model's shape: `init_config` fills `model.*` from it, kee
 a config sets that do not change the shape (e.g. moe.dispatch, init_std); a shape field set to
 another value is a ConfigError naming it. `initial_params` loads the weights straight onto the
 trainer's param shardings (each host reads what its devices hold).
+
+The source also fixes the vocabulary: data whose ids go past it is an error saying so here (the
+data's own check would advise a larger model.vocab_size, which the source refuses). `hf:DIR`
+with byte-level text data (no data.tokenizer) takes DIR/tokenizer.json when there is one.
 """
 from __future__ import annotations
 
@@ -12,10 +16,13 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import yaml
 
 from jaxpar.checkpoint import CheckpointError, list_steps, locate, read_config, restore_params
 from jaxpar.config import Config, ConfigError, ModelConfig
-from jaxpar.hf.hfconfig import HFError, model_config, read_hf_config
+from jaxpar.data import binfile
+from jaxpar.data.tokenizer import Tokenizer
+from jaxpar.hf.hfconfig import HFError, read_model_config
 from jaxpar.hf.reading import load_params
 from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.model import ModelDef
@@ -31,16 +38,48 @@ def hf_dir(spec: str) -> Path | None:
     return Path(spec[len(HF):]).expanduser() if spec.startswith(HF) else None
 
 
+def is_hf_dir(p: Path) -> bool:
+    """A Hugging Face model dir: config.json beside safetensors."""
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors*"))
+
+
+def run_checkpoint_dir(run: Path) -> Path | None:
+    """The checkpoint.dir of a run dir's saved config.yaml (a relative one inside the run), or None."""
+    try:
+        saved = yaml.safe_load((run / "config.yaml").read_text()) or {}
+        d = (saved.get("checkpoint") or {}).get("dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if not d else run / Path(d).expanduser()  # an absolute dir replaces `run`
+
+
+def _complete(root: Path) -> list[int]:
+    return [s for s, _, ok in list_steps(root) if ok]
+
+
 def checkpoint_step_dir(spec: str | Path, what: str = "train.init_from") -> Path:
-    """The step directory a checkpoint path names (its latest complete step when not one step)."""
+    """The step directory a checkpoint path names (its latest complete step when not one step):
+    one step dir, a checkpoints dir, or a run dir (its config.yaml's checkpoint.dir, default
+    RUN/checkpoints)."""
     p = Path(spec).expanduser()
     if not p.exists():
         raise CheckpointError(f"{what}={str(spec)!r}: no such file or directory")
+    if is_hf_dir(p):
+        use = (f"start from it with train.init_from=hf:{p}" if what == "train.init_from" else
+               f"import it with `jaxpar convert from-hf {p} OUT_CKPT` first")
+        raise CheckpointError(f"{what}={str(spec)!r}: {p} is a Hugging Face model dir (config.json + "
+                              f"safetensors), not a jaxpar checkpoint; {use}")
     root, step = locate(p)
     if step is None:
-        done = [s for s, _, ok in list_steps(root) if ok]
+        done = _complete(root)
+        own = run_checkpoint_dir(p)
+        if not done and own is not None and own.is_dir():
+            root, done = own, _complete(own)
         if not done:
-            raise CheckpointError(f"{what}={str(spec)!r}: no complete checkpoint step in {root}")
+            raise CheckpointError(
+                f"{what}={str(spec)!r}: no complete checkpoint step in {root} (a run dir's checkpoints "
+                f"are looked for in the checkpoint.dir of its config.yaml, else RUN/checkpoints; "
+                f"name a run whose checkpoints lie elsewhere by its checkpoint.dir)")
         step = done[-1]
     return root / str(step)
 
@@ -50,7 +89,7 @@ def source_model(spec: str) -> ModelConfig:
     d = hf_dir(spec)
     if d is not None:
         try:
-            return model_config(read_hf_config(d), where=str(d / "config.json"))
+            return read_model_config(d)
         except HFError as e:  # the message names the path; say which setting gave it
             raise HFError(f"train.init_from={spec!r}: {e}") from None
     saved = read_config(checkpoint_step_dir(spec)).get("model")
@@ -84,7 +123,35 @@ def init_config(cfg: Config) -> Config:
         keep["moe"] = {**theirs["moe"], **{k: getattr(mine.moe, k) for k in mine.moe.model_fields_set
                                            if k not in MOE_SHAPE_FIELDS}}
     model = ModelConfig.model_validate({**theirs, **keep, "preset": None})
-    return cfg.model_copy(update={"model": model})
+    cfg = cfg.model_copy(update={"model": model})
+    d = hf_dir(spec)
+    if (d is not None and cfg.data.source == "text" and not cfg.data.tokenizer
+            and (d / "tokenizer.json").is_file()):
+        tok = str((d / "tokenizer.json").absolute())
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tokenizer": tok})})
+    check_data_vocab(cfg)
+    return cfg
+
+
+def check_data_vocab(cfg: Config) -> None:
+    """A ConfigError when the data's ids go past the vocabulary train.init_from fixes."""
+    v, data = cfg.model.vocab_size, cfg.data
+    fixed = f"train.init_from={cfg.train.init_from!r}: the source model's vocabulary is fixed at {v}"
+    if data.source == "text" and data.tokenizer:
+        n = Tokenizer(data.tokenizer).vocab_size
+        if n > v:
+            raise ConfigError(f"{fixed}, but data.tokenizer={data.tokenizer!r} has vocab_size {n}; the "
+                              f"tokenizer must fit the model (use the source's own tokenizer.json)")
+    elif data.source == "text" and v < 256:
+        raise ConfigError(f"{fixed}, too small for byte-level text (256); set data.tokenizer to the "
+                          f"source's own tokenizer.json")
+    elif data.source == "bin":
+        for field, path in (("data.bin_path", data.bin_path), ("data.eval_paths",
+                            data.eval_paths[0] if data.eval_paths else None)):
+            n = int(binfile.read_meta(path).get("vocab_size", 0)) if path else 0
+            if n > v:
+                raise ConfigError(f"{fixed}, but {field}={path!r} was tokenized with a vocabulary of {n}; "
+                                  f"prepare the data with a tokenizer that fits the model (the source's own)")
 
 
 def initial_params(cfg: Config, shardings) -> dict | None:

@@ -4,7 +4,8 @@ A sharded checkpoint (`model.safetensors.index.json`: tensor name -> file) is op
 file, memory-mapped; every param is built with `jax.make_array_from_callback`, whose callback
 reads only the rows and columns of the HF tensors that one device's shard covers. So a host
 reads just what its own devices hold, and no host ever holds the whole model at once.
-Every tensor's presence, shape and dtype is checked before anything is loaded.
+Every tensor's presence, shape and dtype is checked before anything is loaded, and a tensor the
+config does not account for (more layers, biases) is an error too, never silently dropped.
 """
 from __future__ import annotations
 
@@ -75,8 +76,17 @@ class SafetensorsDir:
                 raise HFError(f"{path}: not a readable safetensors file ({e})") from None
         return self._handles[path]
 
-    def check(self, table: list[Entry]) -> None:
-        """One HFError naming the first missing or mis-shaped tensors (all checked at once)."""
+    def unexpected(self, table: list[Entry], tie_embeddings: bool = False) -> list[str]:
+        """The tensors no param reads, less the harmless ones: rotary `inv_freq` buffers (older
+        transformers saved them) and `lm_head.weight` beside tied embeddings (transformers
+        ignores it then)."""
+        used = {n for e in table for n in e.names}
+        return sorted(n for n in self.tensors if n not in used and not n.endswith(".inv_freq")
+                      and not (tie_embeddings and n == "lm_head.weight"))
+
+    def check(self, table: list[Entry], tie_embeddings: bool = False) -> None:
+        """One HFError naming the first missing or mis-shaped tensors (all checked at once), else
+        one naming the tensors the config does not account for."""
         problems = []
         for e in table:
             for name in e.names:
@@ -92,6 +102,12 @@ class SafetensorsDir:
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             raise HFError(f"{self.root}: " + "; ".join(problems[:5]) + more)
+        extra = self.unexpected(table, tie_embeddings)
+        if extra:
+            more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""
+            raise HFError(f"{self.root}: {len(extra)} tensors that config.json does not account for: "
+                          f"{', '.join(extra[:5])}{more}; its config (num_hidden_layers, "
+                          f"attention_bias, mlp_bias, ...) does not describe these weights")
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         path = self.tensors[name][0]
@@ -120,7 +136,7 @@ def load_params(hf_dir: str | Path, model_cfg, shardings: dict | None = None,
     (default: every param on the first local device)."""
     src = SafetensorsDir(hf_dir)
     table = entries(model_cfg)
-    src.check(table)
+    src.check(table, model_cfg.tie_embeddings)
     flat = {}
     for e in table:
         sh = shardings

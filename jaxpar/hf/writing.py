@@ -1,4 +1,5 @@
-"""Write jaxpar params as a Hugging Face checkpoint: config.json + safetensors.
+"""Write jaxpar params as a Hugging Face checkpoint: config.json + safetensors (and
+generation_config.json when the model's bos/eos token ids are known).
 
 One `model.safetensors` up to `max_shard_bytes`, else `model-0000i-of-0000n.safetensors` files
 with a `model.safetensors.index.json` (as transformers writes them). One param is fetched to the
@@ -15,7 +16,7 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from jaxpar.hf.hfconfig import hf_config
+from jaxpar.hf.hfconfig import GENERATION, generation_config, hf_config
 from jaxpar.hf.layout import entries, to_hf
 from jaxpar.hf.reading import INDEX, SINGLE
 
@@ -65,7 +66,8 @@ def _save(save_file, tensors: dict, path: Path, write: bool) -> Path:
 
 def write_hf(params: dict, model_cfg, out_dir: str | Path, dtype: str = "float32",
              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """config.json and the safetensors of `params` into `out_dir`; returns the files written.
+    """config.json (+ generation_config.json) and the safetensors of `params` into `out_dir`;
+    returns the files written.
     Only process 0 writes (the others take part in gathering sharded params)."""
     from safetensors.numpy import save_file  # optional: only conversion needs it
     out = Path(out_dir)
@@ -93,4 +95,8 @@ def write_hf(params: dict, model_cfg, out_dir: str | Path, dtype: str = "float32
         written.append(out / INDEX)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     written.append(out / "config.json")
+    gen = generation_config(model_cfg)
+    if gen is not None:
+        (out / GENERATION).write_text(json.dumps(gen, indent=2) + "\n")
+        written.append(out / GENERATION)
     return written

@@ -8,6 +8,7 @@ traces its own devices (one `<host>.xplane.pb` each). `jaxpar profile RUN_DIR` s
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,19 @@ To capture one: jaxpar train CONFIG profile.steps=[10,12]
 
 
 def run_profile_dir(run_dir: str | Path) -> str:
-    """The run's `profile.dir` from its saved config.yaml (default `profile`)."""
+    """The run's `profile.dir` from its saved config.yaml (default `profile`; also for a dir that
+    would leave the run dir, which the config refuses: a hand-edited file never points elsewhere)."""
     try:
         cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
-        return str((cfg.get("profile") or {}).get("dir") or "profile")
+        sub = str((cfg.get("profile") or {}).get("dir") or "profile")
     except (OSError, ValueError, AttributeError):
         return "profile"
+    return sub if inside(sub) else "profile"
+
+
+def inside(sub: str) -> bool:
+    """Whether the relative path `sub` stays inside the dir it is joined to (no '..' out, not absolute)."""
+    return not os.path.isabs(sub) and os.path.normpath(sub).split(os.sep)[0] != ".."
 
 
 def trace_files(run_dir: str | Path, sub: str = "profile") -> list[Path]:

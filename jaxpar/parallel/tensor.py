@@ -29,13 +29,13 @@ def activation_constrainer(plan: Plan, manual: frozenset[str]) -> Callable:
     local to each device.
     """
     auto = [a for a, n in plan.mesh.shape.items() if a not in manual and n > 1]
-    if not auto:
-        return lambda x, axes: x
 
     def constrain(x: jax.Array, axes) -> jax.Array:
         if len(axes) != x.ndim:
             raise ValueError(f"constrain: axes {axes} do not match an array of rank {x.ndim}")
-        spec = drop_axes(plan.spec(tuple(axes), None, use="act"), manual)
+        spec = drop_axes(plan.spec(tuple(axes), None, use="act", name=f"constrain {tuple(axes)}"), manual)
+        if not auto:  # nothing to pin; the names are still checked (a typo fails on every mesh)
+            return x
         # the shard_map's own (abstract) mesh, whose manual axes are typed Manual: a value that
         # varies over them (check_vma) cannot be constrained on the all-Auto concrete mesh
         return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))

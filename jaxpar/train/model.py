@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from jaxpar.config import ConfigError
 from jaxpar.nn import axes_of
 
 
@@ -42,6 +43,20 @@ class ModelDef:
     @classmethod
     def from_factory(cls, factory: Callable[[nnx.Rngs], nnx.Module]) -> "ModelDef":
         abstract_module = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+        if not isinstance(abstract_module, nnx.Module):
+            raise ConfigError(f"the model factory returned {type(abstract_module).__name__}, not an "
+                              f"nnx.Module")
+        _, _, rest = nnx.split(abstract_module, nnx.Param, ...)
+        others = dict(nnx.to_flat_state(rest))
+        if others:
+            listing = ", ".join(f"{'/'.join(map(str, k))} ({type(v).__name__})"
+                                for k, v in list(others.items())[:5])
+            raise ConfigError(
+                f"the model holds state other than nnx.Param: {listing}"
+                + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+                + "; jaxpar trains and checkpoints a model's nnx.Param only: keep no RNG streams "
+                  "(dropout), batch statistics or counters in it, and create weights with "
+                  "jaxpar.nn.param")
         graphdef, abstract = nnx.split(abstract_module, nnx.Param)
         flat = dict(nnx.to_flat_state(abstract))
         axes, shapes = {}, {}

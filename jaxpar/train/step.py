@@ -49,18 +49,13 @@ class StepSpec:
     loss_scale: LossScale = LossScale()  # train.loss_scale (its state, when dynamic, in the train state)
 
 
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple)
-
-
 def make_step_spec(model: ModelDef, plan: Plan, tx: optax.GradientTransformation, compression: Any = None,
                    optimizer: Any = None, local_sgd: Any = None,
                    grad_reduce_dtype: str = "float32", grad_accum: int = 1, context: Any = None,
                    loss_scale: LossScale = LossScale()) -> StepSpec:
     """The step's shardings. `context` (config.ContextConfig): under mesh.context the loader
     lays each row out in its devices' columns (parallel/context.loader_split)."""
-    specs = {use: jax.tree.map(lambda ax, s, use=use: plan.spec(ax, s.shape, use), model.axes, model.shapes,
-                               is_leaf=_is_axes) for use in ("param", "grad", "opt")}
+    specs = {use: plan.tree_specs(model.axes, model.shapes, use) for use in ("param", "grad", "opt")}
     to_sh = lambda spec: plan.sharding(spec)
     opt_shardings = optax.tree_map_params(  # every params-shaped tree of the optimizer state
         tx, lambda _, spec: to_sh(spec), jax.eval_shape(tx.init, model.shapes), specs["opt"],

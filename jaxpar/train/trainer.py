@@ -29,6 +29,7 @@ from jaxpar.planner.auto import PredictionReport, resolve_auto
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
 from jaxpar.train.layout_checks import check_layout
 from jaxpar.train.model import ModelDef
+from jaxpar.train.model_checks import check_custom_model, check_factory
 from jaxpar.train.optimizer import build_optimizer, schedule
 from jaxpar.train.batch import Documents
 from jaxpar.train.builtin import llama_model_factory
@@ -59,6 +60,10 @@ class Trainer:
     events: RunEvents | None = None  # the run dir's event log (goodput); fit opens one for its out_dir
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cfg, Config):
+            raise ConfigError(f"Trainer(cfg=...) takes a jaxpar Config, got {type(self.cfg).__name__}: "
+                              f"build it with jaxpar.make_config(dict, overrides) or "
+                              f"jaxpar.load_config(path, overrides)")
         self.cfg = cfg = init_config(self.cfg)  # train.init_from fills model.*
         apply_xla_flags(cfg, log=self.log)  # before JAX starts (scripts too, not only the CLI)
         initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
@@ -69,9 +74,13 @@ class Trainer:
         self.plan = Plan(self.mesh, cfg.sharding.resolved_rules(), cfg.sharding.zero_stage,
                          cfg.sharding.replicated_tolerance, layer_rounds=cfg.pipeline.virtual_stages)
         custom = self.model_factory is not None
+        if custom:
+            check_factory(self.model_factory)
         check_layout(cfg, self.plan, check_model=not custom)
         check_precision(cfg)
         self.model = ModelDef.from_factory(self.model_factory or llama_model_factory(cfg))
+        if custom:
+            check_custom_model(self.model, cfg, self.plan)
         self.lr_schedule = schedule(cfg.optimizer, cfg.train.steps)
         self.tx = apply_precision(build_optimizer(cfg.optimizer, cfg.train.steps, self.model.axes), cfg.train)
         self.spec = make_step_spec(self.model, self.plan, self.tx, compression=cfg.gradient_compression,
@@ -83,7 +92,9 @@ class Trainer:
         flat_specs = self.model.leaves_with_paths(self.spec.param_specs)
         for path, sds in self.model.leaves_with_paths(self.model.shapes).items():
             named[path] = (flat_specs[path], sds.shape, np.dtype(DTYPES[cfg.train.param_dtype]).itemsize)
-        self.replication = check_replication(self.plan, named)
+        unnamed = frozenset(path for path, ax in self.model.leaves_with_paths(self.model.axes).items()
+                            if all(a is None for a in ax))
+        self.replication = check_replication(self.plan, named, unnamed)
         self.loader = self._loader("train")
         # data.packing: the step reads the documents out of the rows by the source's end-of-text id
         self.documents = (Documents(self.loader.source.eos_id, cfg.data.reset_positions)
@@ -246,7 +257,8 @@ class Trainer:
     def restore_step(self, ckpt, step: int | None = None) -> tuple[dict, dict, int]:
         """(state, meta, step) of `ckpt`'s `step` (None: its latest good one) onto this trainer's
         layout, layer stacks in the stored order."""
-        state, meta, step = ckpt.restore(self.abstract_state_sharded(), step)
+        state, meta, step = ckpt.restore(self.abstract_state_sharded(), step,
+                                         config=self.cfg.model_dump(mode="json"))
         return self.in_order(state, "stored"), meta, step
 
     def _save_blocking(self, ckpt, step: int, state: dict, save: bool = True, wait: bool = False) -> None:
@@ -276,6 +288,8 @@ class Trainer:
         if not plan.resuming:
             why = "train.resume=never" if self.cfg.train.resume == "never" else f"no checkpoint in {own}"
             return None, 0, f"fresh start ({why})"
+        if plan.notices:  # legitimate, but never silent
+            self.log("resume: changed since the checkpoint: " + "; ".join(plan.notices))
         if Path(plan.root).absolute() == own.absolute():
             src = self._own_ckpt(own)
         else:  # another run's checkpoints: read only
@@ -287,6 +301,8 @@ class Trainer:
             self.events("resume", step=int(step))
         if src is not self.checkpointer:
             src.close()
+        else:
+            self._supersede(src, int(step))
         reset = [k for k in meta.get("reset", []) if k in self.spec.state_shardings]
         if reset:  # e.g. error-feedback residuals of another device count: start them afresh
             state = {**state, **self._fresh(reset)}
@@ -301,6 +317,16 @@ class Trainer:
             msg += (f"; state not carried over (the checkpoint's layout or settings differ), started afresh: "
                     f"{', '.join(meta['reset'])}")
         return state, int(step), msg
+
+    def _supersede(self, ckpt, step: int) -> None:
+        """Resumed from an older step of the dir this run saves into: its later steps are another
+        future of the run. Moved aside to `<step>.superseded` (kept, not resumed from) so the steps
+        can be saved again."""
+        later = [s for s in ckpt.all_steps() if s > step]
+        if later:
+            self.log(f"resume: resuming from step {step} of {ckpt.root}: its later checkpoints "
+                     f"({', '.join(map(str, later))}) are moved aside to <step>.superseded")
+            ckpt.set_aside(later, "superseded")
 
     def _fresh(self, keys: list[str]) -> dict:
         """Freshly initialised top-level state entries (placed by the plan)."""
@@ -494,8 +520,19 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_end(self, done, state)
         if self.preempted:
-            self.log(f"stopped by {self.preempted} after step {done}: checkpoint saved in "
-                     f"{ckpt.root / str(done) if ckpt else '(checkpoints off)'}; metrics flushed")
+            self.log(self._stop_message(ckpt, finished, done))
+
+    def _stop_message(self, ckpt, finished: bool, done: int) -> str:
+        """What a preempted fit left behind: "saved" only once the save of `done` has landed."""
+        head = f"stopped by {self.preempted} after step {done}: "
+        if ckpt is None:
+            return head + "checkpoints off; metrics flushed"
+        where = ckpt.root / str(done)
+        if finished and where.is_dir():
+            return head + f"checkpoint saved in {where}; metrics flushed"
+        latest = ckpt.latest_step()
+        return head + (f"the save of step {done} did not complete; the latest complete checkpoint is "
+                       f"{ckpt.root / str(latest) if latest is not None else 'none'}")
 
     def _on_nonfinite_streak(self, ckpt, state, last_bad: int, streak: int,
                              rollbacks: int) -> tuple[dict, int]:
