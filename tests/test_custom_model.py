@@ -151,3 +151,17 @@ def test_params_without_axis_names_are_named_in_the_replication_error(devices):
 def test_a_bad_yaml_override_names_it():
     with pytest.raises(ConfigError, match=r"override 'train.steps=\[1,': '\[1,' is not a YAML value"):
         make_config({}, ["train.steps=[1,"])
+
+
+def test_generate_on_a_custom_models_run_says_so(devices, tmp_path):
+    """Its saved config describes jaxpar's default model, not the factory's: one message (was an
+    orbax shape error about arrays the user never named)."""
+    from jaxpar.checkpoint import CheckpointError
+    from jaxpar.generate import load
+    t = Trainer(cfg_of("train.steps=1", "checkpoint.enabled=true", "checkpoint.async_save=false",
+                       f"run_dir={tmp_path}", "name=custom"),
+                model_factory=lambda rngs: Bigram(rngs), log=lambda s: None)
+    t.fit(out_dir=t.cfg.out_dir)
+    with pytest.raises(CheckpointError, match=r"its params are not those of the model its saved config "
+                                              r"describes: .*model_factory"):
+        load(t.cfg.out_dir)

@@ -69,7 +69,7 @@ def _fmt(shape, dtype) -> str:
     return f"{dtype}[{'x'.join(map(str, shape))}]"
 
 
-def state_differences(target: Any, meta: dict) -> list[str]:
+def state_differences(target: Any, meta: dict, dtypes: bool = True) -> list[str]:
     """How the state `target` (ShapeDtypeStructs) differs from the one saved in `meta`, one line per
     leaf path, under the target's top-level keys (empty: same paths, shapes and dtypes, or no
     record of them: an older format)."""
@@ -83,7 +83,7 @@ def state_differences(target: Any, meta: dict) -> list[str]:
     for p, x in now.items():
         if p not in then:
             out.append(f"{p}: not in the checkpoint (config {_fmt(*x)})")
-        elif then[p] != x:
+        elif then[p] != x if dtypes else then[p][0] != x[0]:
             out.append(f"{p}: checkpoint {_fmt(*then[p])}, config {_fmt(*x)}")
     out += [f"{p}: only in the checkpoint ({_fmt(*then[p])})" for p in then if p not in now]
     return out

@@ -13,7 +13,7 @@ import jax
 
 from jaxpar import distributed
 from jaxpar.checkpoint.agreement import agree, attempt, steps_anywhere
-from jaxpar.checkpoint.compat import check_state
+from jaxpar.checkpoint.compat import check_state, state_differences
 from jaxpar.checkpoint.errors import CheckpointError, print_warning
 from jaxpar.checkpoint.files import FORMAT, ITEMS, check_complete, ensure_writable, read_config, read_meta
 from jaxpar.checkpoint.integrity import fingerprint, leaf_paths, verify
@@ -222,6 +222,13 @@ def restore_params(step_dir: str | Path, abstract_params: Any) -> Any:
         raise CheckpointError(f"{step_dir}: incomplete: " + "; ".join(problems))
     meta = read_meta(step_dir)
     target = {"params": abstract_params}
+    diffs = state_differences(target, meta, dtypes=False)  # a dtype is converted; a shape is not
+    if diffs:
+        raise CheckpointError(
+            f"{step_dir}: its params are not those of the model its saved config describes: "
+            + "; ".join(diffs[:3]) + (f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else "")
+            + ". A run of your own model (Trainer(model_factory=...)) is read back by a Trainer "
+              "with that factory; generate, convert and train.init_from read jaxpar's built-in models")
     handler = ocp.PyTreeCheckpointHandler()
     try:
         restored = handler.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
