@@ -16,7 +16,6 @@ tokenizer's end-of-text token.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxpar.checkpoint import CheckpointError, read_config, restore_params
 from jaxpar.config import Config, ConfigError
 from jaxpar.data import text
-from jaxpar.data.tokenizer import Tokenizer
+from jaxpar.data.tokenizer import Tokenizer, run_tokenizer
 from jaxpar.config import MeshConfig
 from jaxpar.hf.init import checkpoint_step_dir
 from jaxpar.mesh import build_mesh
@@ -53,11 +52,7 @@ class Codec:
 
 def codec_for(cfg: Config, tokenizer: str | Path | None = None) -> Codec:
     """The run's text <-> ids (`tokenizer`, a tokenizer.json, overrides the run's)."""
-    path = tokenizer or cfg.data.tokenizer
-    if not path and cfg.data.source == "bin" and cfg.data.bin_path:
-        meta = Path(str(cfg.data.bin_path) + ".json")  # written by jaxpar data prepare
-        if meta.is_file():
-            path = json.loads(meta.read_text()).get("tokenizer")
+    path = tokenizer or run_tokenizer(cfg.data)
     if path:
         what = "--tokenizer" if tokenizer else "data.tokenizer"
         tok = Tokenizer(path, what, need_eos=cfg.model.eos_token_id is None)
@@ -82,6 +77,16 @@ def stop_ids(model_cfg, codec: Codec) -> tuple[int, ...]:
     if eos is None:
         return () if codec.eos_id is None else (codec.eos_id,)
     return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+def prompt_ids(codec: Codec, model_cfg, prompt: str) -> np.ndarray:
+    """The prompt's ids, after model.bos_token_id when the model has one (an imported Llama was
+    trained with it first, as transformers' tokenizer adds it; jaxpar's encode adds nothing)."""
+    ids = np.asarray(codec.encode(prompt))
+    bos = model_cfg.bos_token_id
+    if bos is not None and prompt and (len(ids) == 0 or int(ids[0]) != bos):
+        ids = np.concatenate([np.array([bos], ids.dtype if ids.size else np.int64), ids])
+    return ids
 
 
 def check_options(max_tokens: int, temperature: float, top_p: float) -> None:
@@ -236,7 +241,7 @@ def generate_text(src: str | Path, prompt: str, max_tokens: int = 200, temperatu
     stops = stop_ids(cfg.model, codec)
     context, context_from = context_of(cfg.model, cfg.train.seq_len)
     gen = Generator(cfg.model, params, context, DTYPES[cfg.train.param_dtype], where.cache, context_from)
-    ids, _ = gen.generate(codec.encode(prompt), max_tokens, temperature, top_p, seed, stops)
+    ids, _ = gen.generate(prompt_ids(codec, cfg.model, prompt), max_tokens, temperature, top_p, seed, stops)
     if len(ids) and int(ids[-1]) in stops:
         ids = ids[:-1]
     return prompt + codec.decode(ids)

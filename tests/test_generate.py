@@ -146,3 +146,34 @@ def test_generate_uses_the_runs_tokenizer(tmp_path):
     assert codec_for(tiny_config()).name == "bytes"
     with pytest.raises(ConfigError, match=r"has vocab_size \d+, above model.vocab_size=256"):
         codec_for(tiny_config(f"data.tokenizer={tok}"))
+
+
+def test_export_carries_the_runs_tokenizer(tmp_path, devices, capsys):
+    """A run trained through a tokenizer exports it beside the weights, with its end-of-text id
+    as the model's eos (what transformers' generate stops at)."""
+    from jaxpar.data.tokenizer import Tokenizer, train_bpe
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 50)
+    tok = train_bpe([corpus], 300, tmp_path / "tok.json")
+    cfg = tiny_config("model.vocab_size=384", "data.source=text", f"data.paths=[{corpus}]",
+                      f"data.tokenizer={tok}", "train.steps=1", "checkpoint.async_save=false")
+    Trainer(cfg, devices=devices, log=QUIET).fit(out_dir=tmp_path / "run")
+    assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    out = tmp_path / "hf"
+    assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
+    eos = Tokenizer(tok).eos_id
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    assert tc["tokenizer_class"] == "PreTrainedTokenizerFast" and tc["eos_token"] == "<|endoftext|>"
+
+
+def test_the_prompt_starts_with_the_models_bos():
+    from jaxpar.config import ModelConfig
+    from jaxpar.generate import Codec, prompt_ids
+    codec = Codec(encode, decode)
+    plain, with_bos = ModelConfig(), ModelConfig(bos_token_id=1)
+    assert list(prompt_ids(codec, plain, "ab")) == list(encode("ab"))
+    assert list(prompt_ids(codec, with_bos, "ab")) == [1, *encode("ab")]
+    assert list(prompt_ids(codec, with_bos, "\x01b")) == list(encode("\x01b"))  # already first
+    assert len(prompt_ids(codec, with_bos, "")) == 0  # empty stays empty: its own error

@@ -364,9 +364,11 @@ def test_from_hf_then_generate_uses_the_hf_tokenizer_eos_and_context(imported, t
     tok = Tokenizer(train_bpe([corpus], 300, d / "tokenizer.json"))
     prompt = "def add(x, y):\n    return"
     m, params = imported["llama_gqa"]
-    greedy, _ = Generator(m, params, context=256).generate(tok.encode(prompt), 8, temperature=0.0)
+    bos = 1  # generation_config.json's, which generate puts first (as transformers' tokenizer does)
+    greedy, _ = Generator(m, params, context=256).generate([bos, *tok.encode(prompt)], 8, temperature=0.0)
     k = next(i for i in range(1, 8) if greedy[i] not in greedy[:i])  # the first new token: eos
-    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [319, int(greedy[k])]}))
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": bos,
+                                                          "eos_token_id": [319, int(greedy[k])]}))
     out = tmp_path / "ckpt"
     assert cli_main(["convert", "from-hf", str(d), str(out)]) == 0
     saved = read_config(out / "0")

@@ -60,6 +60,18 @@ class Tokenizer:
                               f"model.vocab_size >= {self.vocab_size} (a multiple of 128 is fastest)")
 
 
+def run_tokenizer(data_cfg) -> str | None:
+    """The tokenizer.json a run's text went through: data.tokenizer, or the one `jaxpar data
+    prepare` recorded beside data.bin_path (None: bytes, or synthetic data)."""
+    if data_cfg.tokenizer:
+        return str(data_cfg.tokenizer)
+    if data_cfg.source == "bin" and data_cfg.bin_path:
+        meta = Path(str(data_cfg.bin_path) + ".json")  # written by jaxpar data prepare
+        if meta.is_file():
+            return json.loads(meta.read_text()).get("tokenizer")
+    return None
+
+
 def token_dtype(vocab_size: int) -> str:
     """The .bin dtype of a vocabulary: uint16 while every id fits, else uint32."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"

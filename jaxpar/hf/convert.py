@@ -8,6 +8,7 @@ config.json (+ generation_config.json) + safetensors.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -16,7 +17,8 @@ import jax
 import numpy as np
 
 from jaxpar.checkpoint import Checkpointer, CheckpointError, list_steps, read_config, restore_params
-from jaxpar.config import ModelConfig, make_config
+from jaxpar.config import DataConfig, ModelConfig, make_config
+from jaxpar.data.tokenizer import Tokenizer, run_tokenizer
 from jaxpar.hf.hfconfig import HFError, read_model_config
 from jaxpar.hf.init import checkpoint_step_dir
 from jaxpar.hf.layout import entries
@@ -92,10 +94,47 @@ def to_hf(src: str | Path, out_dir: str | Path, dtype: str = "float32",
     out = Path(out_dir)
     if (out / "config.json").exists():
         raise HFError(f"{out} already holds a config.json; export into a new directory")
+    saved = read_config(step_dir)
     if model.max_positions is None:  # the context it was trained for
-        seq_len = (read_config(step_dir).get("train") or {}).get("seq_len")
+        seq_len = (saved.get("train") or {}).get("seq_len")
         if isinstance(seq_len, int) and seq_len > 0:
             model = model.model_copy(update={"max_positions": seq_len})
+    tokenizer = _saved_tokenizer(saved)
+    if tokenizer is not None and model.eos_token_id is None:  # the token its documents ended with
+        eos = Tokenizer(tokenizer, "the run's data.tokenizer").eos_id
+        model = model.model_copy(update={"eos_token_id": eos})
     files = write_hf(params, model, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if tokenizer is not None and jax.process_index() == 0:
+        files += export_tokenizer(tokenizer, out)
     log(f"{step_dir} -> {out}: " + ", ".join(p.name for p in files))
     return files
+
+
+def _saved_tokenizer(saved: dict) -> Path | None:
+    """The tokenizer.json a saved run config names (data.tokenizer or its prepared .bin's), if it
+    is still there."""
+    try:
+        path = run_tokenizer(DataConfig.model_validate(saved.get("data") or {}))
+    except Exception:  # noqa: BLE001 (pydantic: an older config; the export goes without it)
+        return None
+    return Path(path) if path and Path(path).is_file() else None
+
+
+def export_tokenizer(tokenizer: Path, out: Path) -> list[Path]:
+    """The run's tokenizer beside the exported weights: tokenizer.json and, from an HF import,
+    its sibling files; else a tokenizer_config.json that loads tokenizer.json as it is
+    (transformers' PreTrainedTokenizerFast, no special tokens added to a text)."""
+    written = [out / "tokenizer.json"]
+    shutil.copyfile(tokenizer, written[0])
+    for name in TOKENIZER_FILES[1:3]:
+        if (tokenizer.parent / name).is_file():
+            shutil.copyfile(tokenizer.parent / name, out / name)
+            written.append(out / name)
+    if not (out / "tokenizer_config.json").exists():
+        tok = Tokenizer(tokenizer, "the run's data.tokenizer")
+        eos = tok.tok.id_to_token(tok.eos_id)
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "add_bos_token": False,
+             "add_eos_token": False}, indent=2) + "\n")
+        written.append(out / "tokenizer_config.json")
+    return written
