@@ -34,11 +34,10 @@ def check_factory(factory: Any) -> None:
 
 def step_keywords(cfg: Config) -> tuple[str, ...]:
     """The keywords the step passes to the model besides the tokens (train/batch.Batch.apply)."""
-    if cfg.data.packing:
-        return ("segment_ids", "positions")
-    if cfg.mesh.context > 1:
-        return ("positions",)
-    return ()
+    keys = ("segment_ids",) if cfg.data.packing else ()
+    if (cfg.data.packing and cfg.data.reset_positions) or cfg.mesh.context > 1:
+        keys += ("positions",)
+    return keys
 
 
 def check_custom_model(model_def, cfg: Config, plan) -> None:

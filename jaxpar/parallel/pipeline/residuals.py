@@ -30,7 +30,9 @@ class StashPlan:
         if self.treedef is None:
             self.treedef, self.refs = treedef, refs
         elif refs != self.refs or treedef.num_leaves != self.treedef.num_leaves:
-            raise RuntimeError("a pipeline stage's vjp changed structure between traces")
+            raise RuntimeError("a pipeline stage's vjp changed structure between traces (a model input "
+                               "such as per-row positions gives it residuals JAX counts differently in "
+                               "different traces); run it with pipeline.recompute=true")
         return [a for a, r in zip(leaves, refs) if r is None]
 
     def join(self, kept: list, known: dict[str, dict]):
