@@ -43,9 +43,19 @@ def _launch(args: argparse.Namespace) -> int:
     if not command:
         raise ConfigError("jaxpar launch: give the command after --, e.g. "
                           "jaxpar launch --nprocs 2 --devices-per-proc 4 -- train CONFIG")
+    if args.max_restarts < 0:
+        raise ConfigError(f"jaxpar launch: --max-restarts must be >= 0 (got {args.max_restarts})")
+    for opt, value in (("--kill-timeout", args.kill_timeout), ("--grace", args.grace)):
+        if not value > 0:
+            raise ConfigError(f"jaxpar launch: {opt} must be > 0 seconds (got {value:g})")
     if args.ray is not None:
         return _launch_ray(args, command)
-    from jaxpar.launch import LaunchOptions, launch, run_dir_of
+    ray_only = [opt for opt, value in (("--nodes", args.nodes), ("--min-nodes", args.min_nodes),
+                                       ("--devices-per-node", args.devices_per_node)) if value is not None]
+    if ray_only:
+        raise ConfigError(f"jaxpar launch: {', '.join(ray_only)}: --nodes/--min-nodes/--devices-per-node are "
+                          f"for --ray (a Ray cluster); on this machine give --nprocs N --devices-per-proc K")
+    from jaxpar.launch import JAXPAR_COMMANDS, LaunchOptions, launch, missing_program, run_dir_of
     if args.nprocs is None:
         raise ConfigError("jaxpar launch: give --nprocs N (processes on this machine) or --ray [ADDRESS] "
                           "--nodes N (one process per node of a Ray cluster)")
@@ -53,6 +63,10 @@ def _launch(args: argparse.Namespace) -> int:
         raise ConfigError("jaxpar launch: --nprocs and --devices-per-proc must be >= 1")
     if args.min_nprocs is not None and not 1 <= args.min_nprocs <= args.nprocs:
         raise ConfigError(f"jaxpar launch: --min-nprocs must be in 1..{args.nprocs}")
+    program = missing_program(command)
+    if program is not None:
+        raise ConfigError(f"jaxpar launch: command {program!r} not found (not a jaxpar command, "
+                          f"{', '.join(JAXPAR_COMMANDS)}, nor a program on PATH)")
     run_dir = args.run_dir if args.run_dir is not None else run_dir_of(command)
     return launch(LaunchOptions(args.nprocs, args.devices_per_proc, command, max_restarts=args.max_restarts,
                                 min_nprocs=args.min_nprocs, kill_timeout=args.kill_timeout, grace=args.grace,
@@ -61,8 +75,14 @@ def _launch(args: argparse.Namespace) -> int:
 
 def _goodput(args: argparse.Namespace) -> int:
     import json
-    from jaxpar.observe.goodput import format_report, goodput_of
-    g = goodput_of(args.run_dir)
+    from pathlib import Path
+
+    from jaxpar.observe.events import EVENTS_FILE
+    from jaxpar.observe.goodput import format_report, goodput_of, skipped_note
+    skipped: list[tuple[int, str]] = []
+    g = goodput_of(args.run_dir, skipped)
+    if skipped:  # stderr: --json's output stays one JSON document
+        print(skipped_note(Path(args.run_dir) / EVENTS_FILE, skipped), file=sys.stderr)
     print(json.dumps(g.to_dict(), indent=1) if args.json else format_report(g, args.run_dir))
     return 0
 
@@ -103,14 +123,47 @@ def _name_list(text: str) -> list[str]:
 def _bench(args: argparse.Namespace) -> int:
     from jaxpar.bench import run_bench
     options = {k: v for k, v in (("seqs", args.seqs), ("impls", args.impls)) if v is not None}
-    return run_bench(args.name, args.config, args.overrides, as_json=args.json, plot=args.plot,
-                     options=options)
+    try:
+        return run_bench(args.name, args.config, args.overrides, as_json=args.json, plot=args.plot,
+                         options=options)
+    except ConfigError as e:
+        hint = _bench_layout_hint(args.name, args.config, args.overrides, str(e))
+        if hint is None:
+            raise
+        raise ConfigError(f"{e}\n  {hint}") from None
+
+
+def _bench_layout_hint(name: str, config: str | None, overrides: list[str], message: str) -> str | None:
+    """An error that names a value the benchmark's own layout (its LAYOUT overrides) set, not the
+    user: say so, and what the benchmark needs (its LAYOUT_HINTS), e.g. `bench convert model.dim=64`
+    against its n_heads=12."""
+    from jaxpar.bench import BENCHMARKS, get, split_args
+    if name not in BENCHMARKS:
+        return None
+    mod = get(name)
+    given = {o.split("=", 1)[0] for o in split_args(config, overrides)[1]}
+    layout = [item.split("=", 1) for item in getattr(mod, "LAYOUT", []) if "=" in item]
+    named = [(key, value) for key, value in layout if key not in given and re.search(
+        rf"(?<![\w.]){re.escape(key.rsplit('.', 1)[-1])}={re.escape(value)}(?![\w.])", message)]
+    if not named:
+        return None
+    hints = getattr(mod, "LAYOUT_HINTS", {})
+    extra = list(dict.fromkeys(hints[k] for k, _ in named if k in hints))
+    return (f"(jaxpar bench {name} sets {', '.join(f'{k}={v}' for k, v in named)} in its own layout, over "
+            f"the config; {'; '.join(extra) or 'override it too'})")
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from jaxpar.observe.plots import plot_runs
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"jaxpar plot -o {args.out}: an existing file; -o must be a directory "
+                          f"(the PNGs go into it; a new one is created)")
     try:
         written = plot_runs(args.run_dirs, args.out)
+    except NotADirectoryError as e:
+        raise ConfigError(f"jaxpar plot -o {args.out}: {e}; -o must be a directory") from None
     except FileNotFoundError as e:
         raise ConfigError(str(e)) from None
     for path, lines in written.items():
@@ -120,6 +173,9 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from jaxpar.observe.profiler import HOW_TO_OPEN, run_profile_dir, trace_files
+    if args.run_dir and not os.path.isdir(args.run_dir):
+        raise ConfigError(f"jaxpar profile: RUN_DIR {args.run_dir!r} is not a directory; give a run's "
+                          f"directory (<run_dir>/<name> of its config, e.g. runs/quickstart)")
     sub = run_profile_dir(args.run_dir) if args.run_dir else "profile"
     if args.summary:
         return _profile_summary(args.run_dir, sub, args.json)

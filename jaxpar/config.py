@@ -748,6 +748,15 @@ class Config(Strict):
                              "(e.g. 0.01) or data.eval_paths, or eval.every=0")
         return self
 
+    @model_validator(mode="after")
+    def _profile_window(self) -> "Config":
+        steps = self.profile.steps
+        if steps is not None and steps[0] > self.train.steps:
+            raise ValueError(f"profile.steps={steps} starts after train.steps={self.train.steps}: the window "
+                             f"would never open and no trace be written; profile steps 1..{self.train.steps} "
+                             f"(e.g. profile.steps=[{max(1, self.train.steps - 1)}, {self.train.steps}])")
+        return self
+
     @property
     def out_dir(self) -> Path:
         return Path(self.run_dir) / self.name
@@ -786,7 +795,10 @@ def _format_errors(err: ValidationError, cls: type[BaseModel]) -> str:
             value = e.get("input")
             # a section's own check (e.g. eval.every needs a split) names its fields itself: the
             # whole section's dict would only bury the message
-            lines.append(f"{where}: {msg}" if isinstance(value, dict) else f"{where} = {value!r}: {msg}")
+            if isinstance(value, dict):
+                lines.append(msg if where == "<root>" else f"{where}: {msg}")
+            else:
+                lines.append(f"{where} = {value!r}: {msg}")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

@@ -95,6 +95,17 @@ def child_command(command: list[str]) -> list[str]:
     return list(command)
 
 
+def missing_program(command: list[str]) -> str | None:
+    """The program of `command` when it cannot be started (checked before any process starts, so a
+    typo is one error, not a FileNotFoundError per rank); None when it can (a jaxpar subcommand,
+    python, or an executable on PATH / at the given path)."""
+    import shutil
+    program = child_command(command)[0]
+    if command[0] in JAXPAR_COMMANDS or command[0] in ("python", "python3"):
+        return None
+    return None if shutil.which(program) is not None else program
+
+
 def child_env(base: dict[str, str], rank: int, nprocs: int, devices: int | None, port: int, attempt: int,
               hash_seed: str = "0", host: str = HOST) -> dict:
     """The environment of rank `rank`: the coordinator at host:port, and `devices` forced CPU

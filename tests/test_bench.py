@@ -140,3 +140,43 @@ def test_step_bench_flops_collectives_memory_and_host_time():
     assert "config dp" in text and "config zero3" in text
     with pytest.raises(ConfigError, match="unknown layouts"):
         mod.run(cfg, layouts=["nope"])
+
+
+def test_pipeline_layers_that_do_not_split_and_a_bad_plot_path_fail_before_compiling(tmp_path, capsys):
+    """model.n_layers=2 against the benchmark's mesh.pipeline=4 printed a table that claimed a
+    compiled column at pipeline=4 with only p=2 rows and '-' cells; --plot into a missing dir failed
+    at savefig after every compile. Both are one error up front (nothing compiled)."""
+    assert main(["bench", "pipeline", "model.n_layers=2"]) == 2
+    captured = capsys.readouterr()
+    assert ("model.n_layers=2 cannot be split into the benchmark's mesh.pipeline=4 stages" in captured.err
+            and "model.n_layers=8" in captured.err and "mesh.pipeline=2" in captured.err), captured.err
+    assert "compiling" not in captured.err
+    for plot, msg in ((tmp_path / "nope" / "x.png", f"the directory '{tmp_path / 'nope'}' does not exist"),
+                      (tmp_path, "a directory; give a file name")):
+        assert main(["bench", "pipeline", "--plot", str(plot)]) == 2
+        captured = capsys.readouterr()
+        assert f"jaxpar bench pipeline --plot {plot}: {msg}" in captured.err and "compiling" not in captured.err
+
+
+def test_pipeline_table_names_the_rows_it_leaves_out():
+    """Without the compiled column a layer count that only some (schedule, p, v) split into shows
+    the others as left out, with the reason, not silently missing."""
+    from jaxpar.bench.pipeline import format_result, run
+    _, cfg = load("pipeline", None, ["model.n_layers=4"])
+    res = run(cfg, memory=False)
+    assert {(r["schedule"], r["p"]) for r in res["skipped"]} >= {("interleaved_1f1b", 4), ("gpipe", 8)}
+    text = format_result({"benchmark": "pipeline", **res})
+    assert "not shown: " in text and "interleaved_1f1b p=4 v=2 (8 stages)" in text
+    assert "model.n_layers=4 does not split into that many stages" in text
+
+
+def test_convert_names_the_heads_its_layout_sets(capsys):
+    """`bench convert model.dim=64` said "dim=64 is not divisible by n_heads=12", a value the user
+    never gave: the error says the benchmark's layout sets it and which dims fit."""
+    assert main(["bench", "convert", "model.dim=64"]) == 2
+    err = capsys.readouterr().err
+    assert "dim=64 is not divisible by n_heads=12" in err
+    assert "jaxpar bench convert sets model.n_heads=12 in its own layout" in err
+    assert "model.dim a multiple of 12" in err and "Traceback" not in err
+    assert main(["bench", "convert", "model.dim=64", "model.n_heads=5", "model.n_kv_heads=3"]) == 2
+    assert "own layout" not in capsys.readouterr().err  # the user's own values: no hint

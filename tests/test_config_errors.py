@@ -178,3 +178,13 @@ def test_overrides_after_a_commands_options_are_overrides(capsys):
             parse(bad)
         assert e.value.code == 2
         assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_profile_window_after_the_last_step_is_an_error():
+    """profile.steps=[10, 12] with train.steps=4 never opened its window and wrote no trace,
+    silently: it is an error naming both settings; a window that starts in time (even one that ends
+    after the last step) stays valid."""
+    with pytest.raises(ConfigError, match=re.escape("profile.steps=[10, 12] starts after train.steps=4")):
+        make_config({}, ["train.steps=4", "profile.steps=[10,12]"])
+    assert make_config({}, ["train.steps=4", "profile.steps=[4,6]"]).profile.steps == [4, 6]
+    assert make_config({}, ["train.steps=4"]).profile.steps is None

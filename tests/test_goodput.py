@@ -131,6 +131,30 @@ def test_cli_prints_the_report_and_json(tmp_path, capsys):
     assert re.search(r"productive\s+7\.5 s\s+71\.4%", out) and "start-up and compile" in out, out
 
 
+def test_malformed_events_are_left_out_like_cut_lines_and_named(tmp_path, capsys):
+    """A line with `"time": "abc"` was a ValueError traceback from the sort: a line that is not a
+    well-formed event is left out as a line cut short by a crash is, and `jaxpar goodput` names
+    the file and the line (on stderr: --json stays one document)."""
+    for e in [ev(100, "start"), ev(103, "first_step", step=1), ev(110, "progress", step=5),
+              ev(110.5, "end", step=5)]:
+        record(tmp_path, e.pop("event"), **e)
+    lines = (tmp_path / "events.jsonl").read_text().splitlines(keepends=True)
+    lines.insert(2, '{"event": "progress", "source": "train", "step": 3, "time": "abc"}\n')
+    lines.insert(4, '{"event": "progress", "source": "train", "step": "x", "time": 109}\n')
+    lines.append('{"time": 111, "event": "progr')  # cut short by a crash
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    skipped = []
+    assert [e["time"] for e in read_events(tmp_path, skipped)] == [100, 103, 110, 110.5]
+    assert [n for n, _ in skipped] == [3, 5, 7], skipped
+    assert main(["goodput", str(tmp_path), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["wall_s"] == 10.5
+    path = tmp_path / "events.jsonl"
+    assert (f"left out 3 lines of {path} that are not a well-formed event, as a line cut short by a crash "
+            f"is: line 3: \"time\": 'abc' is not a number of seconds; line 5: \"step\": 'x'") in out.err, out.err
+    assert "Traceback" not in out.err and out.err.count("\n") == 1
+
+
 def test_bad_run_dirs_are_one_clear_error(tmp_path, capsys):
     assert main(["goodput", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err

@@ -246,6 +246,26 @@ def test_min_nodes_above_nodes_names_the_flag(work):
     assert rc == 2 and "--nprocs 2 is for one machine" in err, err
 
 
+def test_bad_launch_options_are_one_error_each(work):
+    """Negative restarts / timeouts were accepted, Ray-only options were ignored without --ray, and
+    a program not on PATH raised FileNotFoundError from the first rank's Popen: each is one error
+    (exit 2) before any process starts."""
+    train = ["--", "train", str(work / "rr.yaml")]
+    for argv, msg in ((["--max-restarts", "-1"], "--max-restarts must be >= 0 (got -1)"),
+                      (["--kill-timeout", "-5"], "--kill-timeout must be > 0 seconds (got -5)"),
+                      (["--grace", "0"], "--grace must be > 0 seconds (got 0)"),
+                      (["--nodes", "3"], "--nodes: --nodes/--min-nodes/--devices-per-node are for --ray"),
+                      (["--devices-per-node", "2"], "--devices-per-node: --nodes/--min-nodes/--devices-per-node "
+                                                    "are for --ray")):
+        rc, err = _cli("launch", "--nprocs", "1", *argv, *train)
+        assert rc == 2 and msg in err, (argv, err)
+    rc, err = _cli("launch", "--ray", "--nodes", "1", "--grace", "-1", *train)
+    assert rc == 2 and "--grace must be > 0 seconds" in err, err
+    rc, err = _cli("launch", "--nprocs", "1", "--", "no_such_program_xyz", "arg")
+    assert rc == 2 and "jaxpar launch: command 'no_such_program_xyz' not found" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
 def test_no_ray_installed_is_one_clear_error(work, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     rc, err = _cli("launch", "--ray", "--nodes", "1", "--", "train", str(work / "rr.yaml"))

@@ -129,8 +129,34 @@ def test_endpoint_only_on_loopback_by_default():
         exporter.close()
 
 
+def test_taken_prometheus_port_is_one_config_error(tmp_path, capsys):
+    """A port something listens on was an OSError traceback from on_start, after the compile: it is
+    one ConfigError naming the field, the address and the fix, before compiling (build_callbacks),
+    and still one at on_start when the port was taken in between."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        msg = f"observe.prometheus.port={port}: 127.0.0.1:{port} is in use; use another port or port: 0"
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            build_callbacks(tiny_config("observe.prometheus.enabled=true", f"observe.prometheus.port={port}"))
+        rc = main(["train", str(ROOT / "configs/quickstart.yaml"), f"run_dir={tmp_path}", "model.n_layers=1",
+                   "data.source=synthetic", "observe.prometheus.enabled=true", f"observe.prometheus.port={port}"])
+        captured = capsys.readouterr()
+        assert rc == 2 and f"jaxpar: error: {msg}" in captured.err, captured.err
+        assert "Traceback" not in captured.err and "compiled step" not in captured.out
+    # free when the callbacks were built, taken by the time the loop starts
+    [exporter] = build_callbacks(tiny_config("observe.prometheus.enabled=true", f"observe.prometheus.port={port}"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            exporter.on_start(SimpleNamespace(log=lambda s: None), 0, None)
+    exporter.close()
+
+
 def test_profile_window_writes_trace(trainer, tmp_path, capsys):
-    cfg = tiny_config("profile.steps=[8,9]")
+    cfg = tiny_config(f"train.steps={STEPS}", "profile.steps=[8,9]")
     trainer.callbacks = build_callbacks(cfg, out_dir=tmp_path)
     trainer.fit(trainer.init_state(), start_step=6, out_dir=tmp_path)
     files = trace_files(tmp_path)
@@ -186,8 +212,21 @@ def test_trace_summary_device_busy_idle_collectives_and_dispatch(tmp_path, capsy
     out = capsys.readouterr().out
     assert "(steps 4-5)" in out and "8.50 ms per step" in out and "33% overlapped" in out
     assert "logged step 10: 5000 tokens/s, step 10.0 ms, MFU 42.0%" in out
+    (tmp_path / "none").mkdir()  # a run dir without a trace: rc 1, as before
     assert main(["profile", str(tmp_path / "none"), "--summary"]) == 1
     assert "no perfetto_trace.json.gz" in capsys.readouterr().out
+
+
+def test_profile_of_a_missing_run_dir_is_an_error(tmp_path, capsys):
+    """`jaxpar profile /nonexist` said "no trace files under /nonexist/profile yet" (rc 1), as if
+    the run had not reached its window: a dir that is not there is an error naming it (as goodput)."""
+    for extra in ([], ["--summary"]):
+        assert main(["profile", str(tmp_path / "nope"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"jaxpar: error: jaxpar profile: RUN_DIR '{tmp_path / 'nope'}' is not a directory" in err, err
+    (tmp_path / "run").mkdir()
+    assert main(["profile", str(tmp_path / "run")]) == 1
+    assert "no trace files under" in capsys.readouterr().out
 
 
 class Sleeper(Callback):

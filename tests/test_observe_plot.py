@@ -56,3 +56,25 @@ def test_read_metrics_tolerates_resume_and_nan(tmp_path):
 def test_plot_missing_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "nope")]) == 2
     assert "no metrics file" in capsys.readouterr().err
+
+
+def test_plot_out_must_be_a_directory(tmp_path, capsys):
+    """-o naming an existing file was a FileExistsError traceback: one error, exit 2, nothing written."""
+    run = _run(tmp_path / "a", 3)
+    taken = tmp_path / "loss.txt"
+    taken.write_text("mine")
+    assert main(["plot", str(run), "-o", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert f"jaxpar plot -o {taken}: an existing file; -o must be a directory" in err, err
+    assert taken.read_text() == "mine"
+    assert main(["plot", str(run), "-o", str(taken / "sub")]) == 2  # a file on the way
+    err = capsys.readouterr().err
+    assert "-o must be a directory" in err and "Traceback" not in err, err
+
+
+def test_plot_labels_name_only_mesh_sizes(tmp_path):
+    """A saved config.yaml has `auto: false` and `dcn: {}` in its mesh: the label was
+    `a (data=2 fsdp=2 tensor=2 auto=False, zero 1)`; only axis sizes belong there."""
+    run = _run(tmp_path / "a", 3, mesh="data: 2\n  fsdp: 2\n  pipeline: 1\n  tensor: 2\n  dcn: {}\n  auto: false")
+    written = plot_runs([run], tmp_path / "out")
+    assert list(written[str(tmp_path / "out" / "loss.png")]) == ["a (data=2 fsdp=2 tensor=2, zero 1)"]

@@ -356,6 +356,18 @@ def test_plan_cli(capsys):
     assert "--layout 'mesh.cores' is not a layout setting" in capsys.readouterr().err
 
 
+def test_plan_cli_rejects_bad_counts(capsys):
+    """--devices 0 was taken as not given, --devices -2 said "no mesh of -2 devices" (rc 1), --top 0
+    printed nothing and --top -1 all but one: each is one error naming the option, exit 2."""
+    for opt, value in (("--devices", "0"), ("--devices", "-2"), ("--top", "0"), ("--top", "-1")):
+        assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", f"{opt}={value}"]) == 2, opt
+        err = capsys.readouterr().err
+        assert f"{opt} must be >= 1 (got {value})" in err, err
+    from jaxpar.cli import build_parser
+    help_text = build_parser()._subparsers._group_actions[0].choices["plan"].format_help()
+    assert "--cluster CLUSTER required (except for plan calibrate)" in " ".join(help_text.split()), help_text
+
+
 def test_pinned_options_are_scored_even_where_the_search_would_not_try_them(capsys):
     """--layout pins replace the searched range: one device's own config (ZeRO-1 with fsdp 1,
     the dots_with_no_batch_dims_saveable policy: configs/llama_1b.yaml) is scored, not filtered

@@ -35,6 +35,11 @@ LAYOUT: list[str] = [*mesh_overrides(fsdp=-1), "sharding.zero_stage=3", "model.p
                      "model.vocab_size=24000", "model.dim=768", "model.n_layers=6", "model.n_heads=12",
                      "model.n_kv_heads=4", "model.ffn_dim=2048", "model.tie_embeddings=false",
                      "train.global_batch=8", "train.seq_len=32", "data.source=synthetic"]
+# what an override that clashes with LAYOUT must respect (`jaxpar bench` adds it to the config error)
+_HEADS = ("its 12 query heads need model.dim a multiple of 12 (768 by default; e.g. 384 or 192) and its "
+          "4 key/value heads n_heads a multiple of 4; or override model.n_heads / model.n_kv_heads too "
+          "(dim a multiple of n_heads, n_heads a multiple of n_kv_heads)")
+LAYOUT_HINTS: dict[str, str] = {"model.n_heads": _HEADS, "model.n_kv_heads": _HEADS}
 
 
 def run(cfg: Config, log: Callable[[str], None] = lambda s: None, repeats: int = 3) -> dict:

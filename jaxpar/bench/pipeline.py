@@ -14,19 +14,24 @@ For each schedule (gpipe, 1f1b, interleaved_1f1b with v = 2, zb_h1) and each (p,
   - temp: `compiled.memory_analysis().temp_size_in_bytes` of the whole train step, for
     p = mesh.pipeline only (one compile each), with the microbatch size held fixed
     (global_batch = data-parallel size x m x microbatch) so that only m changes.
-p runs over 2, 4, 8 up to the device count for the timetable columns. --plot draws the
-timetable of the configured schedule at (mesh.pipeline, m = 2p, pipeline.virtual_stages).
+p runs over 2, 4, 8 up to the device count for the timetable columns; a (schedule, p, v) whose
+p x v stages model.n_layers does not split into is left out and the table says so. The compiled
+column needs model.n_layers to split into mesh.pipeline stages (an error up front otherwise).
+--plot draws the timetable of the configured schedule at (mesh.pipeline, m = 2p,
+pipeline.virtual_stages); its directory is checked before anything compiles.
 """
 from __future__ import annotations
 
 import math
+import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import jax
 
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
-from jaxpar.config import Config
+from jaxpar.config import Config, ConfigError
 from jaxpar.mesh import resolve_sizes
 from jaxpar.parallel.pipeline.schedule import SCHEDULES, SPLIT, build_timetable, plot_timetable
 from jaxpar.train.trainer import Trainer
@@ -75,12 +80,47 @@ def temp_memory(cfg: Config, schedule: str, m: int, v: int) -> dict:
             "compile_s": time.perf_counter() - t0}
 
 
+def check_plot_path(plot: str) -> None:
+    """--plot FILE.png: a file in an existing, writable directory (checked before any compile)."""
+    path = Path(plot)
+    where = path.parent
+    if path.is_dir():
+        raise ConfigError(f"jaxpar bench pipeline --plot {plot}: a directory; give a file name, "
+                          f"e.g. --plot {path / 'timetable.png'}")
+    if not where.is_dir():
+        raise ConfigError(f"jaxpar bench pipeline --plot {plot}: the directory {str(where)!r} does not "
+                          f"exist; create it or give a file in an existing directory")
+    if not os.access(where, os.W_OK):
+        raise ConfigError(f"jaxpar bench pipeline --plot {plot}: the directory {str(where)!r} is not "
+                          f"writable")
+
+
+def check_layers(cfg: Config) -> None:
+    """The compiled column runs at mesh.pipeline: its stages must split model.n_layers."""
+    n, p = cfg.model.n_layers, cfg.mesh.pipeline
+    if any(True for _ in _variants(n, p)):
+        return
+    fits = [q for q in (2, 4, 8) if n % q == 0]
+    alt = f" or mesh.pipeline={'/'.join(map(str, fits))} (mesh.data fills the rest)" if fits else ""
+    raise ConfigError(f"jaxpar bench pipeline: model.n_layers={n} cannot be split into the benchmark's "
+                      f"mesh.pipeline={p} stages (the compiled column runs at mesh.pipeline; the layers "
+                      f"must be a multiple of {p}, {2 * p} for interleaved_1f1b with v=2); leave "
+                      f"model.n_layers to the benchmark (8) or override model.n_layers={2 * p}{alt}")
+
+
 def run(cfg: Config, log: Callable[[str], None] = lambda s: None, plot: str | None = None,
         memory: bool = True) -> dict:
+    if plot:
+        check_plot_path(plot)
+    if memory:
+        check_layers(cfg)
     n_dev = len(jax.devices())
     p_cfg = cfg.mesh.pipeline
-    rows = []
+    rows, skipped = [], []
     for p in sorted({q for q in (2, 4, 8) if q <= n_dev} | {p_cfg}):
+        fit = set(_variants(cfg.model.n_layers, p))
+        skipped += [{"schedule": s, "p": p, "v": v, "stages": p * v} for s in SCHEDULES
+                    for v in ((2,) if s == "interleaved_1f1b" else (1,)) if (s, v) not in fit]
         for s, v in _variants(cfg.model.n_layers, p):
             for m in (p, 2 * p, 4 * p):
                 row = timetable_row(s, p, m, v)
@@ -88,7 +128,8 @@ def run(cfg: Config, log: Callable[[str], None] = lambda s: None, plot: str | No
                     log(f"compiling {s} p={p} m={m} v={v} ...")
                     row.update(temp_memory(cfg, s, m, v))
                 rows.append(row)
-    out = {"config": describe_config(cfg), "mesh_pipeline": p_cfg, "microbatch": MICROBATCH, "rows": rows}
+    out = {"config": describe_config(cfg), "mesh_pipeline": p_cfg, "microbatch": MICROBATCH, "rows": rows,
+           "n_layers": cfg.model.n_layers, "skipped": skipped}
     if plot:
         pc = cfg.pipeline
         v = pc.virtual_stages if pc.schedule == "interleaved_1f1b" else 1
@@ -109,6 +150,11 @@ def format_result(res: dict) -> str:
     lines.append("lockstep t: the runner's wall time in device-forwards (forward 1, backward 2, a split "
                  "backward's halves 1 each; each row lasts as long as its slowest device) / the work; "
                  "recompute: the same with pipeline.recompute=true (+1 per backward)")
+    if res.get("skipped"):
+        left = ", ".join(f"{r['schedule']} p={r['p']}" + (f" v={r['v']}" if r["v"] > 1 else "")
+                         + f" ({r['stages']} stages)" for r in res["skipped"])
+        lines.append(f"not shown: {left}: model.n_layers={res.get('n_layers')} does not split into that many "
+                     f"stages")
     if res.get("plot"):
         lines.append(f"timetable drawn in {res['plot']}")
     return "\n".join(lines)

@@ -7,11 +7,14 @@ reads it back. Each event is {"time": unix seconds, "event": kind, "source": who
 
 Appends are single `write` calls of one line on a file opened in append mode, so processes that
 share the run dir (a launcher and its process 0) interleave whole lines; a line cut short by a
-crash is skipped by `read_events`, never fatal. Only process 0 of a run writes (callers check).
+crash, or one whose fields are not what the writers write (a hand edit: `"time": "abc"`), is
+skipped by `read_events`, never fatal (`jaxpar goodput` names the skipped lines). Only process 0
+of a run writes (callers check).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -38,19 +41,52 @@ def record(run_dir: str | os.PathLike, event: str, source: str = "train", **fiel
     return entry
 
 
-def read_events(run_dir: str | os.PathLike) -> Iterator[dict]:
-    """The events in the order they were written; lines that are not whole JSON objects skipped."""
+def malformed(entry: Any) -> str | None:
+    """Why `entry` (one parsed line) is not an event the readers can use; None when it is."""
+    if not isinstance(entry, dict) or "event" not in entry or "time" not in entry:
+        return "not an event object (needs \"time\" and \"event\")"
+    if not isinstance(entry["event"], str):
+        return f"\"event\": {entry['event']!r} is not a name"
+    for key in ("time", "blocking_s"):
+        v = entry.get(key)
+        if key == "blocking_s" and v is None:
+            continue
+        try:
+            ok = not isinstance(v, bool) and math.isfinite(float(v))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return f"\"{key}\": {v!r} is not a number of seconds"
+    step = entry.get("step")
+    if step is not None:
+        try:
+            int(step)
+        except (TypeError, ValueError):
+            return f"\"step\": {step!r} is not a step number"
+    return None
+
+
+def read_events(run_dir: str | os.PathLike, skipped: list[tuple[int, str]] | None = None) -> Iterator[dict]:
+    """The events in the order they were written. A line that is not a whole, well-formed event (cut
+    short by a crash, or with a field that is not what the writers write, e.g. `"time": "abc"`) is
+    skipped, never fatal; `skipped` (when given) collects (line number, why) for each."""
     path = events_path(run_dir)
     if not path.exists():
         return
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
-                continue
-            if isinstance(entry, dict) and "event" in entry and "time" in entry:
+                why: str | None = "not a whole JSON line (cut short?)"
+            else:
+                why = malformed(entry)
+            if why is None:
                 yield entry
+            elif skipped is not None:
+                skipped.append((n, why))
 
 
 def restart_count(environ: dict | None = None) -> int:

@@ -205,19 +205,30 @@ def account(events: Iterable[dict]) -> Goodput:
                    status=status)
 
 
-def goodput_of(run_dir: str | os.PathLike) -> Goodput:
-    """The goodput of a run dir (`<run_dir>/<name>`); a bad dir is one ConfigError naming it."""
+def goodput_of(run_dir: str | os.PathLike, skipped: list[tuple[int, str]] | None = None) -> Goodput:
+    """The goodput of a run dir (`<run_dir>/<name>`); a bad dir is one ConfigError naming it.
+    Lines of the log that are not well-formed events are left out, as a line cut short by a crash
+    is (`skipped`, when given, gets their (line number, why))."""
     path = Path(run_dir)
     if not path.is_dir():
         raise ConfigError(f"jaxpar goodput: RUN_DIR {str(run_dir)!r} is not a directory; give a run's "
                           f"directory (<run_dir>/<name> of its config, e.g. runs/quickstart)")
-    events = list(read_events(path))
+    events = list(read_events(path, skipped))
     if not events:
         inner = sorted(p.parent.name for p in path.glob(f"*/{EVENTS_FILE}"))
         hint = (f"; runs inside it: {', '.join(str(path / n) for n in inner)}" if inner else
                 "; `jaxpar train` (and `jaxpar launch`) write it from this version on")
         raise ConfigError(f"jaxpar goodput: {path / EVENTS_FILE} is missing or has no events{hint}")
     return account(events)
+
+
+def skipped_note(path: str | os.PathLike, skipped: list[tuple[int, str]], show: int = 3) -> str:
+    """One line naming the event log's skipped lines (the first `show` with the reason)."""
+    lines = "; ".join(f"line {n}: {why}" for n, why in skipped[:show])
+    more = f"; and {len(skipped) - show} more" if len(skipped) > show else ""
+    return (f"jaxpar goodput: note: left out {len(skipped)} line{'s' * (len(skipped) != 1)} of "
+            f"{path} that {'are' if len(skipped) != 1 else 'is'} not a well-formed event, as a line cut "
+            f"short by a crash is: {lines}{more}")
 
 
 def format_report(g: Goodput, run_dir: str | os.PathLike | None = None) -> str:

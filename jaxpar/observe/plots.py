@@ -51,7 +51,9 @@ def run_label(run_dir: str | Path) -> str:
         cfg = yaml.safe_load(cfg_path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return label
-    mesh = {k: v for k, v in (cfg.get("mesh") or {}).items() if isinstance(v, int) and v != 1}
+    # the axis sizes only: not `auto: false` (a bool is an int) nor `dcn: {...}`
+    mesh = {k: v for k, v in (cfg.get("mesh") or {}).items()
+            if isinstance(v, int) and not isinstance(v, bool) and v != 1}
     parts = [" ".join(f"{k}={v}" for k, v in mesh.items())]
     zero = (cfg.get("sharding") or {}).get("zero_stage")
     if zero is not None:
@@ -86,7 +88,12 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> 
     runs = [(run_label(d), read_metrics(d)) for d in run_dirs]
     first = Path(run_dirs[0])
     out = Path(out_dir) if out_dir is not None else (first if first.is_dir() else first.parent)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file: the PNGs go into a directory (created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file on the way to it
+        raise NotADirectoryError(f"cannot make the directory {out}: a part of its path is a file") from None
     written: dict[str, dict] = {}
     for stem, (key, ylabel, title) in PLOTS.items():
         lines = {label: _series(recs, key) for label, recs in runs}

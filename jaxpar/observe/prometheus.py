@@ -14,6 +14,8 @@ and `jaxpar_goodput_lost_seconds{cause}`.
 """
 from __future__ import annotations
 
+import errno
+import socket
 import threading
 import time
 from typing import Any, Iterable
@@ -22,6 +24,7 @@ import jax
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from jaxpar.config import ConfigError
 from jaxpar.metrics import COLLECTIVE_KINDS, collective_bytes, compiled_memory, device_memory_stats
 from jaxpar.observe import watchdog
 from jaxpar.observe.events import read_events
@@ -201,6 +204,11 @@ class PrometheusExporter(Callback):
                             "collectives": None, "memory": [], "goodput": None}
         self._compiled = None
         self._goodput_at: float | None = None
+        if self.active:  # a taken port is one clear error before the step compiles, not after
+            probe_port(self.host, self._listen_port(), self.requested_port)
+
+    def _listen_port(self) -> int:
+        return self.requested_port + (self.process if self.all_processes and self.requested_port else 0)
 
     @property
     def active(self) -> bool:
@@ -234,8 +242,11 @@ class PrometheusExporter(Callback):
         self._update(step=step, collectives=collectives, memory=memory_snapshot(self._compiled))
         if self._server is None:
             from prometheus_client import start_http_server  # optional: only an enabled exporter
-            port = self.requested_port + (self.process if self.all_processes and self.requested_port else 0)
-            self._server, _ = start_http_server(port, addr=self.host, registry=self.registry)
+            port = self._listen_port()
+            try:
+                self._server, _ = start_http_server(port, addr=self.host, registry=self.registry)
+            except OSError as e:  # taken since the check at construction
+                raise ConfigError(_listen_error(self.host, port, self.requested_port, e)) from None
             self.port = self._server.server_address[1]
             log = getattr(trainer, "log", print)
             log(f"prometheus metrics on http://{self.host}:{self.port}/metrics")
@@ -273,6 +284,35 @@ class PrometheusExporter(Callback):
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _listen_error(host: str, port: int, requested: int, e: OSError) -> str:
+    field = f"observe.prometheus.port={requested}"
+    if port != requested:
+        field += f" (+ process index {port - requested}: observe.prometheus.all_processes)"
+    if e.errno == errno.EADDRINUSE:
+        return f"{field}: {host}:{port} is in use; use another port or port: 0 (a free one)"
+    return (f"{field}, observe.prometheus.host={host!r}: cannot listen on {host}:{port} "
+            f"({e.strerror or e}); use another host/port or port: 0")
+
+
+def probe_port(host: str, port: int, requested: int | None = None) -> None:
+    """ConfigError when nothing can listen on host:port now (port 0, any free port, always can).
+    The probe binds as the HTTP server will (SO_REUSEADDR), so a port in TIME_WAIT passes."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+            s.listen(1)
+    except socket.gaierror as e:
+        raise ConfigError(f"observe.prometheus.host={host!r}: not an address of this machine ({e.strerror}); "
+                          f"use 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    except OSError as e:
+        raise ConfigError(_listen_error(host, port, port if requested is None else requested, e)) from None
 
 
 def _number(v: Any) -> bool:

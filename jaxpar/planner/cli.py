@@ -12,9 +12,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the automatic parallel planner: best layouts for a config on a cluster "
                                     "(also: plan calibrate, plan fit RUN_DIRS)")
     p.add_argument("target", nargs="+", help="CONFIG [overrides...] | calibrate | fit RUN_DIR...")
-    p.add_argument("--cluster", default=None, help="a preset (see jaxpar/planner/clusters) or a YAML file")
-    p.add_argument("--devices", type=int, default=None, help="devices to plan for (default: the cluster's)")
-    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--cluster", default=None, help="required (except for plan calibrate): a preset (see "
+                                                   "jaxpar/planner/clusters) or a YAML file")
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices to plan for, >= 1 (default: the cluster's)")
+    p.add_argument("--top", type=int, default=5, help="layouts to print, >= 1 (default 5)")
     p.add_argument("--layout", action="extend", nargs="+", default=[], metavar="mesh.x=N",
                    help="score only layouts with these settings (mesh.*, sharding.zero_stage, train.remat, "
                         "train.grad_accum, pipeline.schedule); several after one --layout, or repeated")
@@ -66,6 +68,10 @@ def _layout_value(key: str, raw: str, value):
 
 def run(args: argparse.Namespace) -> int:
     head = args.target[0]
+    if args.devices is not None and args.devices < 1:
+        raise ConfigError(f"jaxpar plan: --devices must be >= 1 (got {args.devices})")
+    if args.top < 1:
+        raise ConfigError(f"jaxpar plan: --top must be >= 1 (got {args.top})")
     if head == "calibrate":
         from jaxpar.planner.calibrate import calibrate
         cluster = calibrate()
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("jaxpar plan: --cluster is required (a preset name or a cluster YAML file)")
     from jaxpar.planner.cluster import load_cluster
     cluster = load_cluster(args.cluster)
-    if args.devices:
+    if args.devices is not None:
         cluster = cluster.with_devices(args.devices)
     if head == "fit":
         from jaxpar.planner.fit import fit_cluster
