@@ -251,7 +251,9 @@ def test_watchdog_reports_hang_and_straggler_with_stacks(trainer, tmp_path, capl
     assert hangs and hangs[0]["elapsed_s"] > 1.5
     # the hang is reported while the step still runs: the stack shows where it waits
     assert "time.sleep(self.seconds)" in hangs[0]["stacks"] and "jaxpar-watchdog" in hangs[0]["stacks"]
-    assert slow and slow[0]["elapsed_s"] >= 3.0 and "x the median" in slow[0]["message"]
+    # the 3 s held, as the watchdog's clock saw it (its window may start a few ms into the sleep:
+    # 2.997 s was read once on jax 0.10.2)
+    assert slow and slow[0]["elapsed_s"] > 2.9 and "x the median" in slow[0]["message"]
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "no step finished within 1.5s" in logged and "Python stacks of all threads" in logged
     assert "step 8 took" in (tmp_path / "watchdog.log").read_text()
