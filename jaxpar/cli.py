@@ -341,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("files", nargs="+")
     dp.add_argument("--tokenizer", required=True, help="a tokenizer.json")
     dp.add_argument("--output", required=True, help="the .bin to write (and OUTPUT.idx, OUTPUT.json)")
-    dp.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)))
+    dp.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
+                    help="tokenizer processes (default: the cores, at most 8: %(default)s here)")
     dp.add_argument("--text-field", default="text", help="the JSONL field / parquet column")
     dp.set_defaults(fn=_data)
     dt = da_sub.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer.json on local files")

@@ -4,6 +4,7 @@ one clear error per vocabulary mismatch or bad input."""
 from __future__ import annotations
 
 import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -132,3 +133,58 @@ def test_train_tokenizer_reports_the_vocab_it_got(tmp_path, capsys):
     merges = len(json.loads(out.read_text())["model"]["merges"])
     assert got < 100000 and merges == got - 257
     assert f"vocab {got} (asked 100000: the text gave only {merges} merges)" in capsys.readouterr().out
+
+
+def test_prepare_refuses_what_it_would_tokenize_as_garbage(prepared, tmp_path, capsys):
+    """Each was a traceback, or garbage tokens with exit 0, or leftovers: one error each now."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    tok, _ = prepared
+    bad = {"u.jsonl": b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', "empty.jsonl": b"",
+           "c.txt.gz": gzip.compress(b"some text"), "blob.txt": b"\x00\x01\x02binary"}
+    for name, data in bad.items():
+        (tmp_path / name).write_bytes(data)
+    pq.write_table(pa.table({"n": [1, 2]}), tmp_path / "n.parquet")
+    cases = [("u.jsonl", r"u.jsonl:2: not UTF-8"), ("empty.jsonl", "the inputs hold no documents"),
+             ("c.txt.gz", r"a .gz archive"), ("blob.txt", "binary data"),
+             ("n.parquet", r"column 'n' holds int64, not text")]
+    for name, match in cases:
+        field = ["--text-field", "n"] if name.endswith("parquet") else []
+        assert cli_main(["data", "prepare", "--tokenizer", str(tok), "--output", str(tmp_path / "o.bin"),
+                         *field, str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert re.search(match, err) and "Traceback" not in err, (name, err)
+        assert not list(tmp_path.glob("o.bin*")), name  # nothing half-written left behind
+    (tmp_path / "outdir").mkdir()
+    assert cli_main(["data", "prepare", "--tokenizer", str(tok), "--output", str(tmp_path / "outdir"),
+                     FILES[0]]) == 2
+    assert "is a directory; give a file name" in capsys.readouterr().err
+    assert not list(tmp_path.glob("outdir.*"))
+    assert cli_main(["data", "prepare", "--tokenizer", str(tok), "--output", str(tmp_path / "w.bin"),
+                     "--workers", "0", FILES[0]]) == 2
+    assert "--workers 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_a_short_or_foreign_eval_split_fails_before_training(prepared, tmp_path):
+    """A held-out .bin shorter than a row failed at the first eval (mid-run); one prepared with
+    another tokenizer of the same size scored other ids, silently."""
+    tok, out = prepared
+    (tmp_path / "short.txt").write_text("tiny")
+    short = tmp_path / "short.bin"
+    prepare(tok, short, [tmp_path / "short.txt"], progress=False)
+    cfg = DataConfig(source="bin", bin_path=str(out), eval_paths=[str(short)])
+    with pytest.raises(ConfigError, match=r"data.eval_paths=.*short.bin.* fewer than train.seq_len\+1=65"):
+        DataLoader(build_source(cfg, VOCAB, 0, split="eval"), 8, 64, None)
+    other = tmp_path / "other.json"
+    assert cli_main(["data", "train-tokenizer", "--vocab-size", str(VOCAB), "--output", str(other),
+                     FILES[-1]]) == 0
+    foreign = tmp_path / "foreign.bin"
+    prepare(other, foreign, FILES[:2], progress=False)
+    cfg = DataConfig(source="bin", bin_path=str(out), eval_paths=[str(foreign)])
+    with pytest.raises(ConfigError, match=r"data.eval_paths=.*foreign.bin.* prepared with the tokenizer"):
+        build_source(cfg, VOCAB, 0, split="eval")
+    missing = DataConfig(source="bin", bin_path=str(out), eval_paths=[str(tmp_path / "none.bin")])
+    with pytest.raises(ConfigError, match=r"data.eval_paths=.*none.bin' does not exist"):
+        build_source(missing, VOCAB, 0, split="eval")

@@ -36,18 +36,19 @@ def write_bin(path: str | Path, tokens: np.ndarray, dtype: str = "uint16") -> Pa
     return path
 
 
-def open_bin(path: str | Path, dtype: str = "uint16") -> np.memmap:
-    """Memory-map a .bin token file read-only, with clear errors for a missing or torn file."""
+def open_bin(path: str | Path, dtype: str = "uint16", what: str = "data.bin_path") -> np.memmap:
+    """Memory-map a .bin token file read-only, with clear errors for a missing or torn file
+    (`what`: the config field that named it)."""
     dt = _dtype(dtype)
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ConfigError(f"data.bin_path={str(path)!r} does not exist; give a .bin token file")
+        raise ConfigError(f"{what}={str(path)!r} does not exist; give a .bin token file")
     size = p.stat().st_size
     if size == 0:
-        raise ConfigError(f"data.bin_path={str(path)!r} is empty")
+        raise ConfigError(f"{what}={str(path)!r} is empty")
     if size % dt.itemsize:
         raise ConfigError(
-            f"data.bin_path={str(path)!r} has {size} bytes, not a multiple of {dt.itemsize} "
+            f"{what}={str(path)!r} has {size} bytes, not a multiple of {dt.itemsize} "
             f"(data.bin_dtype={dtype!r}); the file is truncated or bin_dtype is wrong "
             f"(valid: {', '.join(DTYPES)})"
         )
@@ -106,3 +107,14 @@ def check_meta(path: str, dtype: str, vocab_size: int) -> None:
         raise ConfigError(f"data.bin_path={path!r} was tokenized with a vocabulary of "
                           f"{meta['vocab_size']} ({meta.get('tokenizer')}), above model.vocab_size="
                           f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}")
+
+
+def check_same_tokenizer(train_path: str, eval_path: str) -> None:
+    """data.eval_paths prepared with another tokenizer than data.bin_path (both recorded in their
+    .json by `jaxpar data prepare`): the eval loss would score other ids. A ConfigError."""
+    a, b = read_meta(train_path) or {}, read_meta(eval_path) or {}
+    ta, tb = a.get("tokenizer"), b.get("tokenizer")
+    if ta and tb and ta != tb:
+        raise ConfigError(f"data.eval_paths={eval_path!r} was prepared with the tokenizer {tb}, "
+                          f"data.bin_path={train_path!r} with {ta}: the eval loss would score other "
+                          f"ids; prepare both with the same tokenizer")

@@ -41,14 +41,20 @@ class StreamSource:
     def rows(self, step: int, row_indices: np.ndarray, seq_len: int) -> np.ndarray:
         return self.columns(step, row_indices, seq_len, np.arange(seq_len + 1))
 
-    def columns(self, step: int, row_indices: np.ndarray, seq_len: int, cols: np.ndarray) -> np.ndarray:
-        """rows(...)[:, cols], reading only those tokens of each window (a context device's share)."""
+    def check_length(self, seq_len: int) -> None:
+        """A stream shorter than one window is a ConfigError (the loader asks when it is built,
+        so a short held-out split fails before step 1, not at the first eval)."""
         n, length = int(self.tokens.shape[0]), seq_len + 1
         if n < length:
             raise ConfigError(
                 f"{self.name} has {n} tokens, fewer than train.seq_len+1={length}; "
                 "give a longer corpus or lower train.seq_len"
             )
+
+    def columns(self, step: int, row_indices: np.ndarray, seq_len: int, cols: np.ndarray) -> np.ndarray:
+        """rows(...)[:, cols], reading only those tokens of each window (a context device's share)."""
+        self.check_length(seq_len)
+        n, length = int(self.tokens.shape[0]), seq_len + 1
         offsets = row_keys(self.seed, step, row_indices) % np.uint64(n - length + 1)
         cuts = np.flatnonzero(np.diff(cols) != 1) + 1  # the contiguous runs of `cols`
         runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(cols, cuts)]
@@ -112,8 +118,10 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "trai
         path, what = cfg.bin_path, "data.bin_path"
         if evaluating and cfg.eval_paths:
             path, what = cfg.eval_paths[0], "data.eval_paths"
+        if what == "data.eval_paths":
+            binfile.check_same_tokenizer(cfg.bin_path, path)
         binfile.check_meta(path, cfg.bin_dtype, vocab_size)
-        tokens = binfile.open_bin(path, cfg.bin_dtype)
+        tokens = binfile.open_bin(path, cfg.bin_dtype, what)
         binfile.check_head(tokens, vocab_size, path)
         name = f"{what}={path!r}"
         if frac:
@@ -181,6 +189,8 @@ class DataLoader:
         columns: np.ndarray | None = None,
     ) -> None:
         self.source = source
+        if hasattr(source, "check_length"):
+            source.check_length(seq_len)
         self.columns = columns  # context parallelism: each row's columns in its devices' order
         self.global_batch = global_batch
         self.seq_len = seq_len

@@ -28,6 +28,9 @@ from jaxpar.data.binfile import DTYPES
 from jaxpar.data.tokenizer import Tokenizer, token_dtype
 
 CHUNK_CHARS = 1 << 20  # text per worker task
+# compressed or binary inputs read as text would be tokenized as garbage: refused by name / magic
+COMPRESSED = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd", ".bz2": b"BZh", ".xz": b"\xfd7zXZ",
+              ".zip": b"PK\x03\x04"}
 FORMAT = "jaxpar-tokens/1"
 
 _worker_tok: Tokenizer | None = None
@@ -53,8 +56,13 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
     """The documents of one input file (ConfigError naming the file and line on bad input)."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start}); JSON "
+                                      f"lines must be UTF-8 text") from None
                 if not line.strip():
                     continue
                 try:
@@ -74,10 +82,28 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
         if text_field not in pf.schema_arrow.names:
             names = ", ".join(pf.schema_arrow.names)
             raise ConfigError(f"{path}: no column {text_field!r}; columns: {names}")
+        kind = pf.schema_arrow.field(text_field).type
+        if str(kind) not in ("string", "large_string", "string_view"):
+            raise ConfigError(f"{path}: column {text_field!r} holds {kind}, not text (set --text-field)")
         for batch in pf.iter_batches(columns=[text_field]):
             yield from (t for t in batch.column(0).to_pylist() if t is not None)
     else:
+        check_text_file(path)
         yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def check_text_file(path: Path) -> None:
+    """A ConfigError for a compressed or binary file given as a text document."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    packed = next((s for s, magic in COMPRESSED.items()
+                   if path.suffix.lower() == s or head.startswith(magic)), None)
+    if packed is not None:
+        raise ConfigError(f"{path}: a {packed} archive, read as text it would be tokenized as garbage; "
+                          f"decompress it first (inputs: text files, .jsonl / .ndjson, .parquet)")
+    if b"\0" in head:
+        raise ConfigError(f"{path}: binary data (NUL bytes), not a text document (inputs: text files, "
+                          f".jsonl / .ndjson, .parquet)")
 
 
 def _chunks(files: Sequence[Path], text_field: str, bar) -> Iterator[list[str]]:
@@ -122,7 +148,12 @@ def prepare(tokenizer: str | Path, output: str | Path, inputs: Sequence[str | Pa
             raise ConfigError(f"data prepare: input {str(f)!r} is not a file")
     if not files:
         raise ConfigError("data prepare: give the input files (text, .jsonl or .parquet)")
+    if workers < 1:
+        raise ConfigError(f"data prepare: --workers {workers} must be >= 1")
     out = Path(output)
+    if out.is_dir():
+        raise ConfigError(f"data prepare: --output {str(out)!r} is a directory; give a file name, "
+                          f"e.g. {str(out / 'corpus.bin')!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tok.vocab_size)
     tmp = {k: out.with_name(out.name + k + ".tmp") for k in ("", ".idx", ".json")}
@@ -140,6 +171,9 @@ def prepare(tokenizer: str | Path, output: str | Path, inputs: Sequence[str | Pa
                 fi.write((n_tokens + np.cumsum(lengths)).astype("<u8").tobytes())
                 n_tokens += int(lengths.sum())
                 n_docs += len(lengths)
+        if n_docs == 0:
+            raise ConfigError(f"data prepare: the inputs hold no documents ({', '.join(map(str, files))}); "
+                              f"nothing to train on")
     except BaseException:
         for p in tmp.values():
             p.unlink(missing_ok=True)
