@@ -216,3 +216,25 @@ def test_fit_logs_eval_metrics(tmp_path, devices):
     from jaxpar.observe.plots import plot_runs
     written = plot_runs([tmp_path / "run"])
     assert any(p.endswith("eval_loss.png") for p in written)
+
+
+def test_a_file_is_held_out_alike_by_the_text_source_and_its_prepared_bin(tmp_path):
+    """The .bin's split hashed each document's token bytes, the text source each file's bytes:
+    a run moved from text to the prepared .bin was evaluated on files it had trained on. prepare
+    now stores each document's key from its text (`.keys`)."""
+    from jaxpar.data.prepare import prepare
+    from jaxpar.data.split import held_out
+    from jaxpar.data.tokenizer import Tokenizer, train_bpe
+    docs = make_corpus(tmp_path / "corpus", n=40)
+    tok = train_bpe(list(docs), 300, tmp_path / "tok.json")
+    files = sorted(docs)
+    prepare(tok, tmp_path / "c.bin", files, progress=False)
+    tokens = np.memmap(tmp_path / "c.bin", dtype="<u2", mode="r")
+    decode = Tokenizer(tok).decode
+    for frac in (0.2, 0.5):
+        want = {docs[f] for f in files if held_out(docs[f], frac)}  # the text source's rule
+        assert 0 < len(want) < len(files)
+        spans = bin_split(tokens, str(tmp_path / "c.bin"), frac, "eval")
+        ends = spans.starts + np.diff(spans.offsets)
+        got = {decode(tokens[a:b - 1]).encode() for a, b in zip(spans.starts, ends)}
+        assert got == want

@@ -6,8 +6,11 @@ parquet (one per row of that column; needs pyarrow). Chunks of documents are tok
 Beside `OUT.bin` (uint16, or uint32 when the vocabulary needs it):
   OUT.bin.idx   little-endian uint64 [documents + 1]: document i is tokens idx[i]:idx[i+1]
                 (its EOS included), so packing can keep documents whole
+  OUT.bin.keys  little-endian uint64 [documents]: each document's split key (data/split.doc_key
+                of its text's bytes: a text file's raw bytes, as the `text` source hashes them), so
+                data.eval_fraction holds out the same files whichever source reads them
   OUT.bin.json  dtype, vocab_size, eos_id, the tokenizer, counts (checked by the `bin` source)
-All three are written under temporary names and renamed when whole.
+All four are written under temporary names and renamed when whole.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.data import split as split_mod
 from jaxpar.data.binfile import DTYPES
 from jaxpar.data.tokenizer import Tokenizer, token_dtype
 
@@ -52,8 +56,9 @@ def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([x for d in docs for x in (d, eos)]), lengths
 
 
-def documents(path: Path, text_field: str = "text") -> Iterator[str]:
-    """The documents of one input file (ConfigError naming the file and line on bad input)."""
+def documents(path: Path, text_field: str = "text") -> Iterator[tuple[str, bytes]]:
+    """(text, the bytes its split key hashes) of each document of one input file (ConfigError
+    naming the file and line on bad input)."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         with open(path, "rb") as f:
@@ -72,7 +77,7 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
                 if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
                     raise ConfigError(f"{path}:{n}: no string field {text_field!r} "
                                       f"(set --text-field)")
-                yield rec[text_field]
+                yield rec[text_field], rec[text_field].encode("utf-8", errors="replace")
     elif suffix == ".parquet":
         try:
             import pyarrow.parquet as pq  # optional: only parquet input needs it
@@ -86,10 +91,12 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
         if str(kind) not in ("string", "large_string", "string_view"):
             raise ConfigError(f"{path}: column {text_field!r} holds {kind}, not text (set --text-field)")
         for batch in pf.iter_batches(columns=[text_field]):
-            yield from (t for t in batch.column(0).to_pylist() if t is not None)
+            yield from ((t, t.encode("utf-8", errors="replace"))
+                        for t in batch.column(0).to_pylist() if t is not None)
     else:
         check_text_file(path)
-        yield path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
+        yield raw.decode("utf-8", errors="replace"), raw
 
 
 def check_text_file(path: Path) -> None:
@@ -106,11 +113,14 @@ def check_text_file(path: Path) -> None:
                           f".jsonl / .ndjson, .parquet)")
 
 
-def _chunks(files: Sequence[Path], text_field: str, bar) -> Iterator[list[str]]:
+def _chunks(files: Sequence[Path], text_field: str, bar, keys: list) -> Iterator[list[str]]:
+    """Lists of documents of about CHUNK_CHARS, in input order; their split keys appended to
+    `keys` as they are read."""
     chunk, size = [], 0
     for f in files:
-        for doc in documents(f, text_field):
+        for doc, raw in documents(f, text_field):
             chunk.append(doc)
+            keys.append(split_mod.doc_key(raw))
             size += len(doc)
             if size >= CHUNK_CHARS:
                 yield chunk
@@ -156,7 +166,7 @@ def prepare(tokenizer: str | Path, output: str | Path, inputs: Sequence[str | Pa
                           f"e.g. {str(out / 'corpus.bin')!r}")
     out.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(tok.vocab_size)
-    tmp = {k: out.with_name(out.name + k + ".tmp") for k in ("", ".idx", ".json")}
+    tmp = {k: out.with_name(out.name + k + ".tmp") for k in ("", ".idx", ".keys", ".json")}
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True,
                desc="tokenizing", disable=not show)
@@ -165,12 +175,14 @@ def prepare(tokenizer: str | Path, output: str | Path, inputs: Sequence[str | Pa
     try:
         with open(tmp[""], "wb") as fb, open(tmp[".idx"], "wb") as fi:
             fi.write(np.zeros(1, "<u8").tobytes())
-            chunks = _chunks(files, text_field, bar)
+            keys: list[int] = []
+            chunks = _chunks(files, text_field, bar, keys)
             for ids, lengths in _ordered(_encode_chunk, chunks, workers, str(tok.path)):
                 fb.write(ids.astype(DTYPES[dtype]).tobytes())
                 fi.write((n_tokens + np.cumsum(lengths)).astype("<u8").tobytes())
                 n_tokens += int(lengths.sum())
                 n_docs += len(lengths)
+        np.array(keys, dtype="<u8").tofile(tmp[".keys"])
         if n_docs == 0:
             raise ConfigError(f"data prepare: the inputs hold no documents ({', '.join(map(str, files))}); "
                               f"nothing to train on")

@@ -8,6 +8,7 @@ boundaries), read in place: the training stream of a `.bin` without its held-out
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,24 @@ from jaxpar.config import ConfigError
 SPLITS = ("train", "eval")
 
 
+def doc_key(doc: bytes) -> int:
+    """A document's split key: 8 bytes of blake2b of its content (the text's bytes as read: a
+    text file's raw bytes, a JSON line's text in UTF-8)."""
+    return int.from_bytes(hashlib.blake2b(doc, digest_size=8).digest(), "little")
+
+
 def held_out(doc: bytes, fraction: float) -> bool:
     """Whether the document whose content is `doc` belongs to the eval split."""
-    h = int.from_bytes(hashlib.blake2b(doc, digest_size=8).digest(), "little")
-    return h < fraction * 2.0**64
+    return doc_key(doc) < fraction * 2.0**64
+
+
+def keys_held_out(keys: np.ndarray, fraction: float) -> np.ndarray:
+    """held_out for stored uint64 keys, exactly (an int below the float bound fraction * 2**64 is
+    one below its ceiling)."""
+    bound = math.ceil(fraction * 2.0**64)
+    if bound >= 2**64:
+        return np.ones(keys.shape, bool)
+    return keys < np.uint64(bound)
 
 
 def select(docs: list, fraction: float, split: str, key=lambda d: d) -> list:
@@ -81,11 +96,33 @@ def read_index(tokens: np.ndarray, path: str, why: str, fix: str = "") -> np.nda
     return idx
 
 
+def read_keys(path: str, documents: int) -> np.ndarray | None:
+    """The split keys `jaxpar data prepare` stored per document (`<path>.keys`, uint64 doc_key of
+    each document's text), or None for a .bin without them (then its token bytes are hashed)."""
+    p = Path(str(path) + ".keys")
+    if not p.is_file():
+        return None
+    keys = np.fromfile(p, dtype="<u8")
+    if keys.size != documents:
+        raise ConfigError(f"{p} holds {keys.size} keys for {documents} documents of data.bin_path="
+                          f"{path!r}; prepare the data again")
+    return keys
+
+
 def bin_split(tokens: np.ndarray, path: str, fraction: float, split: str) -> Spans:
-    """The documents of `split` in a `.bin` (boundaries from `<path>.idx`, `jaxpar data prepare`)."""
+    """The documents of `split` in a `.bin` (boundaries from `<path>.idx`, `jaxpar data prepare`).
+    By the keys prepare stored from each document's text, so a file is held out alike whether it
+    is read through the `text` source or prepared (older .bin files: by their token bytes)."""
     idx = read_index(tokens, path, f"data.eval_fraction={fraction}", "; or give data.eval_paths")
     pairs = list(zip(idx[:-1].tolist(), idx[1:].tolist()))
-    kept = select(pairs, fraction, split, key=lambda p: np.asarray(tokens[p[0]:p[1]]).tobytes())
+    keys = read_keys(path, len(pairs))
+    if keys is not None:
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}; valid: {', '.join(SPLITS)}")
+        held = keys_held_out(keys, fraction) if fraction else np.zeros(len(pairs), bool)
+        kept = [p for p, h in zip(pairs, held.tolist()) if h == (split == "eval")]
+    else:
+        kept = select(pairs, fraction, split, key=lambda p: np.asarray(tokens[p[0]:p[1]]).tobytes())
     check_nonempty(len(kept), len(pairs), fraction, split, f"data.bin_path={path!r}")
     arr = np.array(kept, np.int64).reshape(-1, 2)
     return Spans(tokens, arr[:, 0], arr[:, 1])
