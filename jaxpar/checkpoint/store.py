@@ -184,6 +184,10 @@ def _check_sums(state: Any, meta: dict) -> None:
 
 
 CORE_KEYS = ("step", "params", "opt_state")
+# state laid out by the mesh's sizes, not only its shapes: the compression residuals' rows and
+# slots follow the batch axes' sizes (collectives/reducer.py), so data 4 x fsdp 2 and data 2 x
+# fsdp 4 give the same shapes with each gradient element in another place. Kept on the same mesh only.
+MESH_BOUND = ("comm",)
 
 
 def restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
@@ -203,12 +207,21 @@ def restorable(abstract_state: Any, meta: dict) -> tuple[Any, list[str]]:
                for p, x in zip(leaf_paths(sub), jax.tree.leaves(sub))}
         then = {p: [list(a["shape"]), str(a.get("dtype"))] for p, a in saved.items()
                 if p == key or p.startswith(key + "/")}
-        if now != then:
+        if now != then or (key in MESH_BOUND and _mesh_sizes(sub) not in (None, meta.get("mesh"))):
             dropped.append(key)
     extra = sorted(saved_tops - set(abstract_state))
     if not dropped and not extra:
         return abstract_state, []
     return {k: v for k, v in abstract_state.items() if k not in dropped}, dropped + extra
+
+
+def _mesh_sizes(tree: Any) -> dict | None:
+    """{axis: size} of the mesh `tree`'s leaves are sharded over (None: no sharding to read)."""
+    for x in jax.tree.leaves(tree):
+        mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+        if mesh is not None:
+            return {a: int(n) for a, n in mesh.shape.items()}
+    return None
 
 
 def restore_params(step_dir: str | Path, abstract_params: Any) -> Any:

@@ -314,8 +314,9 @@ class Trainer:
         if plan.changes:
             msg += "; changed " + "; ".join(plan.changes)
         if meta.get("reset"):
+            what = {"comm": "comm (the gradient reduction's error feedback / 1-bit Adam's state)"}
             msg += (f"; state not carried over (the checkpoint's layout or settings differ), started afresh: "
-                    f"{', '.join(meta['reset'])}")
+                    f"{', '.join(what.get(k, k) for k in meta['reset'])}")
         return state, int(step), msg
 
     def _supersede(self, ckpt, step: int) -> None:
