@@ -56,7 +56,11 @@ def changed_fields(saved: dict, now: dict, fields) -> list[tuple[str, Any, Any]]
 
 def field_differences(saved: dict, now: dict, fields) -> list[str]:
     """"field: checkpoint X, config Y" for each field of `fields` that differs."""
-    return [f"{f}: checkpoint {a!r}, config {b!r}" for f, a, b in changed_fields(saved, now, fields)]
+    return _describe(changed_fields(saved, now, fields))
+
+
+def _describe(changed: list[tuple[str, Any, Any]]) -> list[str]:
+    return [f"{f}: checkpoint {a!r}, config {b!r}" for f, a, b in changed]
 
 
 def resume_notices(saved: dict, now: dict) -> list[str]:
@@ -108,7 +112,7 @@ def check_state(target: Any, meta: dict, where, saved_config: dict | None = None
     changed = changed_fields(saved_config, config, STATE_FIELDS) if saved_config and config else []
     if changed:
         msg += ("\nthe settings that shape the state differ from the checkpoint's:\n  "
-                + "\n  ".join(f"{f}: checkpoint {a!r}, config {b!r}" for f, a, b in changed)
+                + "\n  ".join(_describe(changed))
                 + "\nresume with the checkpoint's values (" + " ".join(_override(f, a) for f, a, _ in changed)
                 + "), or ")
     else:

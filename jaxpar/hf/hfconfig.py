@@ -35,20 +35,17 @@ def read_hf_config(hf_dir: str | Path) -> dict:
     if not path.is_file():
         raise HFError(f"{path} not found: a Hugging Face model dir holds config.json beside its "
                       f"*.safetensors")
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise HFError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-    return raw
+    return _json_object(path)
 
 
 def read_generation_config(hf_dir: str | Path) -> dict:
     """The parsed generation_config.json of `hf_dir`, {} when it has none."""
     path = Path(hf_dir) / GENERATION
-    if not path.is_file():
-        return {}
+    return _json_object(path) if path.is_file() else {}
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file holding an object (HFError naming the file otherwise)."""
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
