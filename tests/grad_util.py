@@ -60,5 +60,18 @@ def canonical_grads(trainer: Trainer, metrics: dict) -> dict:
     return {**metrics, "grads": jax.tree.map(canonical, metrics["grads"], trainer.model.axes)}
 
 
+def plain_grad(model):
+    """jit((params, rows) -> grads): jax.grad of the mean token cross entropy of `model` (a
+    ModelDef; no aux losses) on host rows [b, seq + 1], on one device: no mesh, no step, no
+    optimizer. The reference for what a dense model's step receives (metrics["grads"])."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss(params, rows):
+        logits = model.merge(model.state(params))(rows[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), rows[:, 1:]).mean()
+    return jax.jit(jax.grad(loss))
+
+
 def global_norm(tree) -> float:
     return float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(tree))))

@@ -15,10 +15,19 @@ def tokens_for(cfg, seed=0):
     return rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1)).astype(np.int32)
 
 
+# step_metrics' results in this process, by (overrides, device ids, seed): the one-device
+# references are the same runs in several modules (tests/test_pipeline.py, test_pipeline_perf.py)
+_STEPS: dict = {}
+
+
 def step_metrics(overrides, devices, seed=0) -> dict:
-    """The numpy metrics (loss, grads, ...) of the first step of `overrides` on a seeded batch."""
-    cfg = tiny_config(*PIPELINE_TINY, *overrides)
-    return run_steps(cfg, 1, devices, batches=[tokens_for(cfg, seed)])[0]
+    """The numpy metrics (loss, grads, ...) of the first step of `overrides` on a seeded batch
+    (computed once per process: treat the result as read-only)."""
+    key = (tuple(overrides), tuple(d.id for d in devices), seed)
+    if key not in _STEPS:
+        cfg = tiny_config(*PIPELINE_TINY, *overrides)
+        _STEPS[key] = run_steps(cfg, 1, devices, batches=[tokens_for(cfg, seed)])[0]
+    return _STEPS[key]
 
 
 def loss_and_grads(overrides, devices, seed=0):

@@ -30,9 +30,14 @@ _SEEDS = iter(range(1, 1000))
 
 def _env(tmp: Path, n_devices: int) -> dict:
     env = dict(os.environ)
+    # the test process's XLA flags (tests/conftest.py: LLVM at -O0, which compiles faster) with
+    # this run's device count, as `jaxpar launch` does: every run of a test has the same flags
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
     env.update({
         "PYTHONHASHSEED": str(next(_SEEDS)),
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n_devices}", "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n_devices}"]),
+        "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         **CACHE_ENV,
     })

@@ -39,12 +39,19 @@ def test_chunked_sum_and_its_gradients_equal_the_whole_logits_in_float64():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def unchunked_one_device(devices):
+    """(grads, norm) of the first step of the unchunked one-device run."""
+    return first_step_grads(tiny_config("mesh.data=1"), devices[:1])
+
+
+@pytest.mark.xdist_group("chunked_loss")  # the one-device reference is computed once
 @pytest.mark.parametrize("layout", [["mesh.data=1"], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
                                                        "sharding.zero_stage=3"],
                                     ["mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
                                      "sharding.replicated_tolerance=1.0"]])
-def test_step_gradients_equal_the_unchunked_one_device_step(layout, devices):
-    ref, ref_norm = first_step_grads(tiny_config("mesh.data=1"), devices[:1])
+def test_step_gradients_equal_the_unchunked_one_device_step(layout, devices, unchunked_one_device):
+    ref, ref_norm = unchunked_one_device
     n = int(np.prod([int(o.split("=")[1]) for o in layout if o.startswith("mesh.")]))
     grads, norm = first_step_grads(tiny_config(*layout, "train.loss_chunk=8"), devices[:n])
     assert _rel_err(grads, ref) < 1e-5

@@ -45,8 +45,11 @@ def assert_close(got, ref, rtol=1e-5, what=""):
 def reference(heads, kv_heads, segments):
     q, k, v, do = inputs(heads, kv_heads)
     seg = jnp.asarray(SEGMENTS) if segments else None
-    out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, seg), q, k, v)
-    return (out, *vjp(do))
+
+    def run(q, k, v, do):  # jitted: one compile, not one per op
+        out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, seg), q, k, v)
+        return (out, *vjp(do))
+    return jax.jit(run)(q, k, v, do)
 
 
 def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs=None,

@@ -19,10 +19,12 @@ from jaxpar.train.trainer import Trainer
 QUIET = lambda s: None
 
 
-def full_logits(model_cfg, params, ids):
-    """The training forward (no cache) on the whole sequence, float64 on the host."""
+def full_forward(model_cfg):
+    """(params, ids) -> the training forward's logits (no cache) on the whole sequence, float64
+    on the host; one jit, compiled once per length."""
     model = model_def(model_cfg)
-    return np.asarray(model.merge(model.state(params))(jnp.asarray(ids)[None])[0], np.float64)
+    forward = jax.jit(lambda params, ids: model.merge(model.state(params))(ids[None])[0])
+    return lambda params, ids: np.asarray(forward(params, jnp.asarray(ids)), np.float64)
 
 
 # MoE: a dense layer then an MoE one per group (every_n=2), dropless in training too (with a
@@ -39,10 +41,12 @@ def test_cached_decode_equals_full_forward(extra):
     params = jax.jit(model.init, static_argnums=0)(3)
     gen = Generator(cfg.model, params, context=32)
     prompt = np.array([5, 17, 200, 3, 99, 42, 7], np.int32)
-    ids, logits = gen.generate(prompt, max_tokens=12, temperature=0.0)
-    assert len(ids) == 12
+    # 25 new tokens fill the context: every generate below has a cache of 32 (one compile of the
+    # prefill and the step for all of them)
+    ids, logits = gen.generate(prompt, max_tokens=25, temperature=0.0)
+    assert len(ids) == 25
     seq = np.concatenate([prompt, ids])
-    ref = full_logits(cfg.model, params, seq[:-1])
+    ref = full_forward(cfg.model)(params, seq[:-1])
     assert logits.shape == ref.shape == (len(seq) - 1, cfg.model.vocab_size)
     np.testing.assert_allclose(logits, ref, atol=1e-5, rtol=0)
     # greedy: each new token is the full forward's argmax at the position before it
@@ -54,8 +58,8 @@ def test_cached_decode_equals_full_forward(extra):
     with pytest.raises(ConfigError, match="prompt is 33 tokens, longer than the model's context of 32"):
         gen.generate(np.zeros(33, np.int32), 4)
     # sampling (temperature > 0) is reproducible per seed
-    a, _ = gen.generate(prompt, 10, temperature=1.0, top_p=0.9, seed=1)
-    b, _ = gen.generate(prompt, 10, temperature=1.0, top_p=0.9, seed=1)
+    a, _ = gen.generate(prompt, 25, temperature=1.0, top_p=0.9, seed=1)
+    b, _ = gen.generate(prompt, 25, temperature=1.0, top_p=0.9, seed=1)
     np.testing.assert_array_equal(a, b)
 
 
@@ -70,6 +74,18 @@ def test_top_p_keeps_the_nucleus():
     assert int(sample(logits, keys[0], jnp.float32(0.0), jnp.float32(0.5))) == 0
 
 
+def save_initial_state(cfg, devices, run_dir):
+    """A run dir holding a checkpoint of `cfg`'s initial state, laid out and written as `fit`
+    writes its checkpoints (Trainer.save: the trainer's sharding, its saved config), without
+    compiling a train step (what these tests read does not depend on training); its params."""
+    trainer = Trainer(cfg, devices=devices, log=QUIET)
+    state = trainer.init_state()
+    ckpt = trainer.make_checkpointer(run_dir)
+    trainer.save(ckpt, cfg.train.steps, state)
+    ckpt.close()
+    return state["params"]
+
+
 def test_generate_cli_reads_a_sharded_checkpoint(tmp_path, devices, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -77,12 +93,15 @@ def test_generate_cli_reads_a_sharded_checkpoint(tmp_path, devices, capsys):
     cfg = tiny_config("data.source=text", f"data.paths=[{corpus}]", "train.steps=2", "mesh.data=2",
                       "mesh.fsdp=2", "mesh.tensor=2", "sharding.zero_stage=3", "model.init_std=0.1",
                       "checkpoint.async_save=false")
-    state, _ = Trainer(cfg, devices=devices, log=QUIET).fit(out_dir=tmp_path / "run")
-    params = jax.device_get(state["params"])
+    params = save_initial_state(cfg, devices, tmp_path / "run")  # saved sharded over data x fsdp x tensor
+    assert params["layers"]["wq"].sharding.spec[1:3] == ("fsdp", "tensor")
+    params = jax.device_get(params)
     prompt = "def add("
     ids = list(encode(prompt))
-    for _ in range(6):  # greedy continuation from full forwards (no cache) of the trained params
-        ids.append(int(full_logits(cfg.model, params, ids)[-1].argmax()))
+    forward, padded = full_forward(cfg.model), np.zeros(cfg.train.seq_len, np.int32)
+    for _ in range(6):  # greedy continuation from full forwards (no cache) of the saved params,
+        padded[:len(ids)] = ids  # all of one length (causal: the padding changes no logit before it)
+        ids.append(int(forward(params, padded)[len(ids) - 1].argmax()))
     want = prompt + decode(ids[len(encode(prompt)):])
     capsys.readouterr()
     assert main(["generate", str(tmp_path / "run"), "--prompt", prompt, "--max-tokens", "6",
@@ -149,15 +168,15 @@ def test_generate_uses_the_runs_tokenizer(tmp_path):
 
 
 def test_export_carries_the_runs_tokenizer(tmp_path, devices, capsys):
-    """A run trained through a tokenizer exports it beside the weights, with its end-of-text id
-    as the model's eos (what transformers' generate stops at)."""
+    """A run on a tokenizer (its checkpoint's saved config names it) exports it beside the
+    weights, with its end-of-text id as the model's eos (what transformers' generate stops at)."""
     from jaxpar.data.tokenizer import Tokenizer, train_bpe
     corpus = tmp_path / "a.txt"
     corpus.write_text("def add(a, b):\n    return a + b\n" * 50)
     tok = train_bpe([corpus], 300, tmp_path / "tok.json")
     cfg = tiny_config("model.vocab_size=384", "data.source=text", f"data.paths=[{corpus}]",
-                      f"data.tokenizer={tok}", "train.steps=1", "checkpoint.async_save=false")
-    Trainer(cfg, devices=devices, log=QUIET).fit(out_dir=tmp_path / "run")
+                      f"data.tokenizer={tok}", "train.steps=1", "checkpoint.async_save=false", "mesh.data=1")
+    save_initial_state(cfg, devices[:1], tmp_path / "run")
     assert main(["convert", "to-hf", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     out = tmp_path / "hf"
     assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()

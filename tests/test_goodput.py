@@ -24,7 +24,7 @@ from jaxpar.config import ConfigError
 from jaxpar.launch import run_dir_of
 from jaxpar.observe.events import read_events, record
 from jaxpar.observe.goodput import CAUSES, account, goodput_of
-from tests.run_configs import CACHE_ENV
+from tests.run_configs import CACHE_ENV, layout_run_yaml
 
 pytestmark = pytest.mark.xdist_group("goodput")  # its module fixtures are built once, on one worker
 
@@ -181,17 +181,10 @@ def test_launch_finds_the_run_dir_of_a_train_command(tmp_path):
 # ---------------------------------------------------------------- a real run, killed once
 
 STEPS, KILL_AT, EVERY = 8, 5, 3
-CONFIG = f"""\
-name: gp
-model: {{preset: tiny, n_layers: 2}}
-mesh: {{data: 4, tensor: 2}}
-train: {{steps: {STEPS}, global_batch: 16, seq_len: 32, compute_dtype: float32, progress: false,
-        log_every: 1}}
-optimizer: {{warmup_steps: 1, decay_steps: {STEPS}}}
-data: {{source: synthetic}}
-checkpoint: {{every: {EVERY}, keep_last: 3}}
-observe: {{prometheus: {{enabled: true, port: 0}}}}
-"""
+# the layout of the other multi-process files (tests/run_configs.py): a test run compiles its
+# step once for all of them
+CONFIG = layout_run_yaml("gp", STEPS, f"every: {EVERY}, keep_last: 3") + (
+    "observe: {prometheus: {enabled: true, port: 0}}\n")
 
 
 @pytest.fixture(scope="module")

@@ -20,20 +20,13 @@ from pathlib import Path
 import pytest
 
 from jaxpar.config import ConfigError, make_config
-from tests.run_configs import CACHE_ENV
+from tests.run_configs import CACHE_ENV, layout_run_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
-CONFIG = f"""\
-name: rr
-model: {{preset: tiny, n_layers: 2}}
-mesh: {{data: 4, fsdp: 2}}
-train: {{steps: {STEPS}, global_batch: 16, seq_len: 32, compute_dtype: float32, progress: false,
-        log_every: 1}}
-optimizer: {{warmup_steps: 1, decay_steps: {STEPS}}}
-data: {{source: synthetic}}
-checkpoint: {{every: 2, keep_last: 3}}
-"""
+# the other multi-process files' layout (tests/run_configs.py): their programs, so a test run
+# compiles each once (the 1-process reference, 2 nodes x 4 devices, 1 node x 4 with grad_accum 2)
+CONFIG = layout_run_yaml("rr", STEPS, "every: 2, keep_last: 3")
 MB = 2 ** 20
 NODE = dict(num_cpus=1, resources={"jaxpar_node": 1}, object_store_memory=80 * MB)
 SLEEP = {"2": 0.3, "1": 1.5}  # seconds per step by process count

@@ -47,6 +47,7 @@ PIPELINE = ["mesh.data=4", "mesh.pipeline=2", "pipeline.schedule=1f1b", "train.g
             "sharding.replicated_tolerance=1.0"]
 
 
+@pytest.mark.xdist_group("loss_scale")  # the one-device reference is computed once
 @pytest.mark.parametrize("layout", [LAYOUT, PIPELINE], ids=["data2_fsdp2_tensor2_zero3", "pipeline2_1f1b"])
 def test_float16_gradients_survive_with_the_dynamic_scale(devices, reference, layout):
     """Small gradients underflow in the float16 backward: without scaling most of the gradient is
@@ -66,6 +67,7 @@ def test_float16_gradients_survive_with_the_dynamic_scale(devices, reference, la
     assert relative_error(plain["grads"], reference["grads"]) > 0.5
 
 
+@pytest.mark.xdist_group("loss_scale")
 def test_a_static_scale_in_float32_changes_no_gradient(devices, reference):
     """Scaling by a power of two and dividing again is exact: a gradient off by the scale (or any
     factor) fails here."""
@@ -170,11 +172,12 @@ def test_stateful_syncs_see_the_unscaled_gradient(devices, sync):
 
 def test_the_dynamic_scale_is_checkpointed(devices, tmp_path):
     """The scale is train state: a resumed run goes on with the scale it had, not the start."""
-    over = [*FP16, "mesh.data=8", "train.loss_scale_window=1", "checkpoint.every=2"]
-    Trainer(tiny_config(*over, "train.steps=2"), devices=devices, log=lambda s: None).fit(
-        out_dir=tmp_path, progress=False)
-    resumed = Trainer(tiny_config(*over, "train.steps=3"), devices=devices, log=lambda s: None)
-    _, history = resumed.fit(out_dir=tmp_path, progress=False)
+    over = [*FP16, "mesh.data=8", "train.loss_scale_window=1", "checkpoint.every=2", "train.steps=3"]
+    trainer = Trainer(tiny_config(*over), devices=devices, log=lambda s: None)
+    trainer.cfg.train.steps = 2  # the run stops after its step-2 checkpoint (one compiled step for both)
+    trainer.fit(out_dir=tmp_path, progress=False)
+    trainer.cfg.train.steps = 3  # the same command again: fit resumes from the checkpoint
+    _, history = trainer.fit(out_dir=tmp_path, progress=False)
     # window 1: every finite step doubles it (2**15, 2**16 at steps 1, 2; 2**17 at step 3)
     assert [(h["step"], h["loss_scale"]) for h in history] == [(3, DYNAMIC_INIT * 4)]
 

@@ -308,8 +308,8 @@ TRAIN = ["model.preset=moe_tiny", "sharding.replicated_tolerance=1.0", "train.se
 @pytest.fixture(scope="module")
 def trained(devices, tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_run")
-    trainer = Trainer(tiny_config(*TRAIN, "train.steps=25", "mesh.data=2", "mesh.expert=4"),
-                      devices=devices)
+    trainer = Trainer(tiny_config(*TRAIN, "train.steps=25", "mesh.data=2", "mesh.expert=4",
+                                  "checkpoint.enabled=false"), devices=devices)  # reads metrics.jsonl only
     _, hist = trainer.fit(out_dir=out, progress=False)
     return hist, out
 

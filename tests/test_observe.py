@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import tiny_config
+from tests.conftest import TINY, tiny_config
 from jaxpar.cli import main
 from jaxpar.config import ConfigError
 from jaxpar.observe import PrometheusExporter, Watchdog, build_callbacks, record_checkpoint_save
@@ -305,11 +305,12 @@ def test_profile_dir_stays_inside_the_run_dir(bad, tmp_path):
     assert run_profile_dir(tmp_path) == "profile"
 
 
-def test_jaxpar_train_attaches_callbacks(tmp_path):
-    rc = main(["train", str(ROOT / "configs/quickstart.yaml"), f"run_dir={tmp_path}", "train.steps=3",
-               "train.progress=false", "model.n_layers=1", "train.seq_len=32", "data.source=synthetic",
-               "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1",
+def test_jaxpar_train_attaches_callbacks(trainer, tmp_path):
+    """The CLI builds the callbacks the config asks for. The model and its learning-rate schedule
+    are the module trainer's (decay over its STEPS), so the step loads from the compilation cache."""
+    (tmp_path / "obs.yaml").write_text("name: obs\n")
+    rc = main(["train", str(tmp_path / "obs.yaml"), f"run_dir={tmp_path}", *TINY, f"optimizer.decay_steps={STEPS}",
                "profile.steps=[2,2]", "observe.watchdog.enabled=true", "observe.prometheus.enabled=true",
                "observe.prometheus.port=0"])
     assert rc == 0
-    assert trace_files(tmp_path / "quickstart")
+    assert trace_files(tmp_path / "obs")

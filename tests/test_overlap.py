@@ -57,6 +57,8 @@ ZERO3_TENSOR = {
                                  "train.remat=none"],
 }
 REDUCTIONS = ("all-reduce", "reduce-scatter")
+# the module's compiles are shared by its tests (a layout is read by up to three): on one worker
+pytestmark = pytest.mark.xdist_group("overlap")
 
 
 @pytest.fixture(scope="module")

@@ -200,8 +200,11 @@ def test_every_attention_honours_packed_segments_forward_and_gradients(impl):
     k, v = (jax.random.normal(kk, (2, SEQ, 2, 8), dtype) for kk in keys[1:3])
     do = jax.random.normal(keys[3], (2, SEQ, 4, 8), dtype)
     fn = IMPLEMENTATIONS[impl]
-    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
-    grads = vjp(do)
+
+    def run(q, k, v, do):  # jitted, as the step runs it: one compile, not one per op
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+        return out, vjp(do)
+    out, grads = jax.jit(run)(q, k, v, do)
     ref_out, ref_grads = numpy_attention_and_grads(q, k, v, do, np.asarray(seg))
     rtol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     for got, ref in zip((out, *grads), (ref_out, *ref_grads)):

@@ -35,6 +35,9 @@ CASES = {  # each schedule alone: test_full_matrix; here composed with the other
 }
 
 
+# with tests/test_pipeline_perf.py, whose gradient tests compare with the same one-device step
+# (tests/pipeline_util.py computes it once per process)
+@pytest.mark.xdist_group("pipeline_perf")
 @pytest.mark.parametrize("name", list(CASES))
 def test_pipeline_matches_plain_step(name, reference, devices):
     overrides, n = CASES[name]
@@ -59,7 +62,8 @@ def test_1f1b_memory_flat_gpipe_grows(devices):
 
 def test_trainer_loss_curve_matches(devices):
     """The quickstart model trains to the same losses with a pipeline as in its own layout."""
-    common = ["train.steps=3", "train.progress=false", "train.seq_len=32", "data.source=synthetic"]
+    common = ["train.steps=3", "train.progress=false", "train.seq_len=32", "data.source=synthetic",
+              "eval.every=0"]  # the losses are compared, not the held-out loss (its two compiles)
 
     def losses(overrides):
         from jaxpar.train.trainer import Trainer
@@ -94,7 +98,8 @@ def test_config_errors(overrides, match, devices):
 FULL = [(s, p, m) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") for p, m in ((2, 2), (4, 16))]
 
 
-@pytest.mark.slow  # ~2 min of CPU for the 8 cases; always run
+@pytest.mark.slow  # ~1 min of CPU for the 8 cases; always run
+@pytest.mark.xdist_group("pipeline_full")  # the 8-layer one-device reference, built once
 @pytest.mark.parametrize("schedule,p,m", FULL)
 def test_full_matrix(schedule, p, m, devices):
     """Every schedule on 2 stages with 2 microbatches (a timetable of warm-up and drain only) and
@@ -102,17 +107,8 @@ def test_full_matrix(schedule, p, m, devices):
     whatever timetable it is given; tests/test_pipeline_schedule.py checks every timetable for
     p = 2, 4 and m = p, 2p, 4p, and the composed cases above run p = 2 and 4 with m = p and 2p."""
     base = ["model.n_layers=8", "mesh.data=1"]
-    ref = _full_reference(devices)
+    ref = loss_and_grads(base, devices[:1])  # computed once per process (tests/pipeline_util.py)
     extra = ["pipeline.virtual_stages=2"] if schedule == "interleaved_1f1b" else []
     got = loss_and_grads(base + [f"mesh.pipeline={p}", f"pipeline.schedule={schedule}",
                                  f"train.grad_accum={m}"] + extra, devices[:p])
     assert_matches(got, ref)
-
-
-_FULL_REF = []
-
-
-def _full_reference(devices):
-    if not _FULL_REF:
-        _FULL_REF.append(loss_and_grads(["model.n_layers=8", "mesh.data=1"], devices[:1]))
-    return _FULL_REF[0]

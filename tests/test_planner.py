@@ -180,9 +180,17 @@ def _check_sequence_parallel(cfg, kind: str, got: float, want: float) -> None:
         assert got == pytest.approx(want, rel=0.02), (kind, got, want)
 
 
+# the quickstart as test_mesh_auto_trains_like_the_layout_it_chose runs it (3 steps, synthetic data): the
+# search is the same as for the whole run (the steps and the data source do not enter it), and the best
+# layout's step, compiled by test_proposed_layouts_compile_within_their_budget, is the program the
+# mesh=auto run compiles (a persistent-cache load there)
+QUICKSTART_RUN = ["train.steps=3", "train.log_every=1", "checkpoint.enabled=false", "train.progress=false",
+                  "eval.every=0", "data.eval_fraction=0", "data.source=synthetic"]
+
+
 @pytest.fixture(scope="module")
 def quickstart_plan():
-    cfg = load_config("configs/quickstart.yaml", ["checkpoint.enabled=false", "train.progress=false"])
+    cfg = load_config("configs/quickstart.yaml", QUICKSTART_RUN)
     model = ModelDef.from_factory(llama_model_factory(cfg))
     return cfg, model, search(cfg, load_cluster("cpu8"), model)
 
@@ -221,6 +229,17 @@ def test_memory_budget_rejects_and_says_so(quickstart_plan):
     assert len(over) == 1 and len(result.rejected[over[0]]) >= len(totals) // 3
 
 
+_BEST_PLANS: dict = {}
+
+
+def _best_plan(run) -> dict:
+    """check_run(run) (the paper's layout and the planner's own best plan), once per row: the two
+    best-plan tests below share the 1.7B row's search."""
+    if run.name not in _BEST_PLANS:
+        _BEST_PLANS[run.name] = check_run(run)
+    return _BEST_PLANS[run.name]
+
+
 @pytest.mark.parametrize("run", WEAK_SCALING, ids=lambda r: r.name)
 def test_megatron_weak_scaling_paper_layouts_within_20_percent(run):
     """Narayanan et al. 2021, Table 1 (docs/planner.md has every row): for the paper's own layout
@@ -234,7 +253,7 @@ def test_megatron_weak_scaling_paper_layouts_within_20_percent(run):
 @pytest.mark.parametrize("run", [WEAK_SCALING[0], WEAK_SCALING[3]], ids=lambda r: r.name)
 def test_megatron_weak_scaling_best_plans_fit_with_tensor_in_a_node(run):
     """The planner's own best plan keeps tensor parallelism inside a node and fits 80 GB."""
-    r = check_run(run)
+    r = _best_plan(run)
     assert r["tensor_in_node"] and r["fits"], r
 
 
@@ -246,7 +265,7 @@ def test_megatron_weak_scaling_best_plans_within_20_percent(run):
     rows nearest in width and GPU count; else Megatron's figure, times the gain the same team
     measured for dropping full recomputation (published.NO_RECOMPUTE_GAIN) where the plan drops
     it. (18.4B is not: docs/planner.md.)"""
-    r = check_run(run)
+    r = _best_plan(run)
     assert r["tensor_in_node"] and r["fits"], r
     assert abs(r["best_tflops"] / r["reference_tflops"] - 1) <= 0.20, r
     assert r["reference"].startswith("FULL_SHARD") == (run.hidden <= 3072), r
@@ -391,8 +410,7 @@ def test_pinned_options_are_scored_even_where_the_search_would_not_try_them(caps
 
 
 def test_mesh_auto_trains_like_the_layout_it_chose():
-    overrides = ["train.steps=3", "train.log_every=1", "checkpoint.enabled=false", "train.progress=false",
-                 "eval.every=0", "data.eval_fraction=0", "data.source=synthetic"]
+    overrides = QUICKSTART_RUN
     auto = load_config("configs/quickstart.yaml", [*overrides, "mesh=auto", "sharding.zero_stage=auto",
                                                    "train.remat=auto", "train.grad_accum=auto"])
     assert auto.auto_fields() == ["mesh", "sharding.zero_stage", "train.remat", "train.grad_accum"]
@@ -575,8 +593,14 @@ def test_calibration_plan_per_platform():
         calibration_plan("gpu", 0)
 
 
-def test_calibrate_writes_a_loadable_description(tmp_path):
+def test_calibrate_writes_a_loadable_description(tmp_path, monkeypatch):
     import os
+    from dataclasses import replace
+    from jaxpar.planner import calibrate
+    # the memory traffic at 1 MiB a device, not the CPU plan's 16 MiB (test_calibration_plan_per_platform
+    # checks the plan's sizes): under the tests' XLA (-O0) the 8 x 16 MiB took 8 of its 10 CPU seconds
+    plan = calibrate.calibration_plan
+    monkeypatch.setattr(calibrate, "calibration_plan", lambda *a: replace(plan(*a), memory_bytes=2**20))
     out = tmp_path / "here.yaml"
     assert main(["plan", "calibrate", "-o", str(out)]) == 0
     c = load_cluster(out)

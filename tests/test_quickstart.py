@@ -12,12 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_quickstart_loss_falls(tmp_path):
-    rc = main(["train", str(ROOT / "configs/quickstart.yaml"), "train.steps=25",
+    # 20 steps: 5.60 -> 3.12 (25 steps: 2.92); each step of this model is most of the test's time
+    rc = main(["train", str(ROOT / "configs/quickstart.yaml"), "train.steps=20",
                f"run_dir={tmp_path}", "train.progress=false"])
     assert rc == 0
     out = tmp_path / "quickstart"
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert recs[0]["step"] == 1 and recs[-1]["step"] == 25
+    assert recs[0]["step"] == 1 and recs[-1]["step"] == 20
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s"):
         assert key in recs[-1]
     # a byte-level model starts near ln(256) = 5.55

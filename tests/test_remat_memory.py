@@ -3,10 +3,14 @@ compile on abstract inputs, nothing runs) at a shape where activations dominate.
 
 Until issue #12 item 8, ZeRO-3 wrapped the whole forward in a checkpoint, whose policy JAX
 imposes on the layer scan's checkpoint nested inside: remat full cost as much as none."""
+import functools
+
 import pytest
 
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.xdist_group("remat_memory")  # the shared zero3-fsdp8 compile: one worker
 
 # dim 256, 4 layers, vocab 256, seq 1024, float32, one sequence per device on 8 devices
 SHAPE = ["model.preset=small", "model.n_layers=4", "train.seq_len=1024", "train.global_batch=8"]
@@ -19,10 +23,15 @@ LAYOUTS = {
 }
 
 
-def temp_bytes(layout, remat, devices):
-    t = Trainer(tiny_config(*SHAPE, *LAYOUTS[layout], f"train.remat={remat}"), devices=devices,
+@functools.cache  # zero3-fsdp8 without remat is both tests' baseline: compiled once
+def _temp_bytes(layout, remat, devices):
+    t = Trainer(tiny_config(*SHAPE, *LAYOUTS[layout], f"train.remat={remat}"), devices=list(devices),
                 log=lambda s: None)
     return t.compile().memory_analysis().temp_size_in_bytes
+
+
+def temp_bytes(layout, remat, devices):
+    return _temp_bytes(layout, remat, tuple(devices))
 
 
 @pytest.mark.slow  # two AOT compiles per layout (~10-25 s each on 2 busy cores)

@@ -22,16 +22,18 @@ LAYOUTS = {
 }
 
 
-def lower(overrides, devices):
+def trace(overrides, devices):
+    """The step traced to a jaxpr on abstract inputs (the check runs while tracing; nothing is
+    lowered or compiled)."""
     t = Trainer(tiny_config(*overrides), devices=devices, log=lambda s: None)
     batch = jax.ShapeDtypeStruct((t.cfg.train.global_batch, t.cfg.train.seq_len + 1), jnp.int32,
                                  sharding=t.spec.batch_sharding)
-    return t.step_fn.lower(t.abstract_state_sharded(), batch)
+    return t.step_fn.trace(t.abstract_state_sharded(), batch)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_missing_reduction_fails_at_trace_time(name, devices, monkeypatch):
-    lower(LAYOUTS[name], devices)  # the step as it is traces
+    trace(LAYOUTS[name], devices)  # the step as it is traces
 
     def local_only(self, grads, comm, extra=None):
         return grads, comm  # each device's own gradient
@@ -39,7 +41,7 @@ def test_missing_reduction_fails_at_trace_time(name, devices, monkeypatch):
     for sync in (AllReduce, GradientReducer):
         monkeypatch.setattr(sync, "reduce", local_only)
     with pytest.raises(ValueError, match="out_specs which require replication"):
-        lower(LAYOUTS[name], devices)
+        trace(LAYOUTS[name], devices)
 
 
 @pytest.mark.parametrize("name", ["data8", "dp2-fsdp4-zero3"])
@@ -49,7 +51,7 @@ def test_missing_layer_reduction_fails_at_trace_time(name, devices, monkeypatch)
     traces unpatched: test_missing_reduction_fails_at_trace_time.)"""
     monkeypatch.setattr(AllReduce, "finish_layer", lambda self, g, path, state: (g, state))
     with pytest.raises(ValueError, match="must produce an output with the same type"):
-        lower(LAYOUTS[name], devices)
+        trace(LAYOUTS[name], devices)
 
 
 def primitives(jaxpr) -> list[str]:
