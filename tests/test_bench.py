@@ -119,7 +119,12 @@ def test_planner_bench_ranks_and_times_planning():
     assert set(layouts) <= set(mod.LAYOUTS)
     res = mod.run(cfg, steps=1, layouts=layouts)
     assert len(res["layouts"]) == 3 and all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in res["layouts"])
-    assert -1 <= res["spearman"] <= 1 and res["plan_70b_1024_s"] > 0 and res["plan_70b_best"]
+    # the printed rank correlation is that of these rows (its value on a busy CPU is a figure, not
+    # a property: the planner's accuracy is tests/test_planner.py's)
+    rows = res["layouts"]
+    assert res["spearman"] == pytest.approx(mod.spearman([r["predicted_s"] for r in rows],
+                                                         [r["measured_s"] for r in rows]))
+    assert res["plan_70b_1024_s"] > 0 and res["plan_70b_best"]
     assert "Spearman" in mod.format_result(res)
     assert mod.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1) and mod.spearman([1, 2, 3], [3, 2, 1]) < 0
 
