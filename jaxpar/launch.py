@@ -106,6 +106,12 @@ def missing_program(command: list[str]) -> str | None:
     return None if shutil.which(program) is not None else program
 
 
+def forced_device_flags(xla_flags: str, devices: int) -> str:
+    """`xla_flags` with its forced CPU device count, if any, replaced by `devices`."""
+    flags = [f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def child_env(base: dict[str, str], rank: int, nprocs: int, devices: int | None, port: int, attempt: int,
               hash_seed: str = "0", host: str = HOST) -> dict:
     """The environment of rank `rank`: the coordinator at host:port, and `devices` forced CPU
@@ -115,9 +121,7 @@ def child_env(base: dict[str, str], rank: int, nprocs: int, devices: int | None,
     # order must not differ between them). A seed the caller set is kept.
     env.setdefault("PYTHONHASHSEED", hash_seed)
     if devices is not None:
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+        env["XLA_FLAGS"] = forced_device_flags(env.get("XLA_FLAGS", ""), devices)
         env["JAX_PLATFORMS"] = "cpu"
     env.update({
         "JAXPAR_COORDINATOR_ADDRESS": f"{host}:{port}",

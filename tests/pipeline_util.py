@@ -1,5 +1,7 @@
 """Helpers of the pipeline tests: one train step's loss and gradients (what the optimizer
 receives, tests/grad_util.py) and compiled temp memory for a layout."""
+import functools
+
 import numpy as np
 
 from jaxpar.train.trainer import Trainer
@@ -15,19 +17,17 @@ def tokens_for(cfg, seed=0):
     return rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1)).astype(np.int32)
 
 
-# step_metrics' results in this process, by (overrides, device ids, seed): the one-device
-# references are the same runs in several modules (tests/test_pipeline.py, test_pipeline_perf.py)
-_STEPS: dict = {}
-
-
 def step_metrics(overrides, devices, seed=0) -> dict:
     """The numpy metrics (loss, grads, ...) of the first step of `overrides` on a seeded batch
-    (computed once per process: treat the result as read-only)."""
-    key = (tuple(overrides), tuple(d.id for d in devices), seed)
-    if key not in _STEPS:
-        cfg = tiny_config(*PIPELINE_TINY, *overrides)
-        _STEPS[key] = run_steps(cfg, 1, devices, batches=[tokens_for(cfg, seed)])[0]
-    return _STEPS[key]
+    (computed once per process: the one-device references are the same runs in several modules,
+    tests/test_pipeline.py and test_pipeline_perf.py; treat the result as read-only)."""
+    return _step_metrics(tuple(overrides), tuple(devices), seed)
+
+
+@functools.cache
+def _step_metrics(overrides: tuple, devices: tuple, seed: int) -> dict:
+    cfg = tiny_config(*PIPELINE_TINY, *overrides)
+    return run_steps(cfg, 1, list(devices), batches=[tokens_for(cfg, seed)])[0]
 
 
 def loss_and_grads(overrides, devices, seed=0):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxpar.launch import forced_device_flags
 from tests.run_configs import CACHE_ENV, layout_run_yaml
 
 # one worker runs them all (with `--dist loadgroup`, as `make test` runs): they share the reference run
@@ -32,11 +33,9 @@ def _env(tmp: Path, n_devices: int) -> dict:
     env = dict(os.environ)
     # the test process's XLA flags (tests/conftest.py: LLVM at -O0, which compiles faster) with
     # this run's device count, as `jaxpar launch` does: every run of a test has the same flags
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
     env.update({
         "PYTHONHASHSEED": str(next(_SEEDS)),
-        "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n_devices}"]),
+        "XLA_FLAGS": forced_device_flags(env.get("XLA_FLAGS", ""), n_devices),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         **CACHE_ENV,

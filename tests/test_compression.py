@@ -1,4 +1,5 @@
 """Compressed gradient collectives: codecs against numpy, error feedback, HLO dtypes, training."""
+import functools
 import math
 
 import jax
@@ -289,25 +290,20 @@ def _grads_and_hlo(cfg, devices) -> tuple:
     return t, canonical_grads(t, to_numpy(metrics))["grads"], exe.as_text()
 
 
-_IN_SCAN_RUNS: dict = {}
-
-
-def _in_scan_run(overrides: tuple, method: str, devices) -> tuple:
+@functools.cache
+def _in_scan_run(overrides: tuple, method: str, devices: tuple) -> tuple:
     """(trainer, the compiled step's HLO text, the numpy metrics of steps 1 and 2 with their
     grads) of tiny_config(*overrides, method) under the step with return_grads
     (tests/grad_util.grad_trainer): compiled once per process (AOT) and run, shared by the ZeRO-1
     test and the in-scan tests (the same program: dp2-fsdp4-zero1-int8)."""
-    key = (tuple(overrides), method)
-    if key not in _IN_SCAN_RUNS:
-        from tests.grad_util import canonical_grads, grad_trainer, to_numpy
-        t, step = grad_trainer(tiny_config(*overrides, f"gradient_compression.method={method}"), devices)
-        state, got = t.init_state(), []
-        exe = step.lower(state, t.loader.batch(0)).compile()  # compiled once: run, and its HLO read
-        for i in range(2):
-            state, metrics = exe(state, t.loader.batch(i))
-            got.append(canonical_grads(t, to_numpy(metrics)))
-        _IN_SCAN_RUNS[key] = (t, exe.as_text(), got)
-    return _IN_SCAN_RUNS[key]
+    from tests.grad_util import canonical_grads, grad_trainer, to_numpy
+    t, step = grad_trainer(tiny_config(*overrides, f"gradient_compression.method={method}"), list(devices))
+    state, got = t.init_state(), []
+    exe = step.lower(state, t.loader.batch(0)).compile()  # compiled once: run, and its HLO read
+    for i in range(2):
+        state, metrics = exe(state, t.loader.batch(i))
+        got.append(canonical_grads(t, to_numpy(metrics)))
+    return t, exe.as_text(), got
 
 
 def _rel_err(grads, ref) -> float:
@@ -338,7 +334,7 @@ def test_zero1_compressed_reduction_ends_at_the_optimizer_shard(devices, runs):
     assert _rel_err(exact, ref) < 1e-5
     # ZeRO-1 int8: one compile, for its gradient and its HLO (the step with return_grads: the
     # same reduction, its result also returned), shared with the in-scan test's layout
-    t1, text1, got = _in_scan_run(tuple(ZERO1), "int8", devices)
+    t1, text1, got = _in_scan_run(tuple(ZERO1), "int8", tuple(devices))
     assert t1.cfg == tiny_config("mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=1",
                                  "gradient_compression.method=int8")
     assert _rel_err(got[0]["grads"], ref) < 2e-2
@@ -378,7 +374,7 @@ def test_compressed_reduction_of_each_layer_inside_the_backward(layout, devices)
     from jaxpar.sharding import entry_axes
     from tests.test_layout_grads import reference, relative_errors
     overrides, method, tol = IN_SCAN[layout]
-    t, text, got = _in_scan_run(tuple(overrides), method, devices)  # compiled once: run, and its HLO read
+    t, text, got = _in_scan_run(tuple(overrides), method, tuple(devices))  # compiled once: run, and its HLO read
     sync = t.spec.sync
     assert sync.in_scan and f"per layer in the backward scan: {method} over" in sync.describe()
     for k, (g, r) in enumerate(zip(got, reference(["mesh.data=1"], devices)), start=1):

@@ -1,5 +1,6 @@
 """The planner's cost model against the compiler, its search against the config checks, and its
 predictions against published results (Megatron-LM's weak-scaling table, llm-foundry's FULL_SHARD runs)."""
+import functools
 import json
 from pathlib import Path
 
@@ -229,15 +230,9 @@ def test_memory_budget_rejects_and_says_so(quickstart_plan):
     assert len(over) == 1 and len(result.rejected[over[0]]) >= len(totals) // 3
 
 
-_BEST_PLANS: dict = {}
-
-
-def _best_plan(run) -> dict:
-    """check_run(run) (the paper's layout and the planner's own best plan), once per row: the two
-    best-plan tests below share the 1.7B row's search."""
-    if run.name not in _BEST_PLANS:
-        _BEST_PLANS[run.name] = check_run(run)
-    return _BEST_PLANS[run.name]
+# check_run (the paper's layout and the planner's own best plan) once per row: the two best-plan
+# tests below share the 1.7B row's search
+_best_plan = functools.cache(check_run)
 
 
 @pytest.mark.parametrize("run", WEAK_SCALING, ids=lambda r: r.name)

@@ -1,8 +1,8 @@
 """The SLURM path, run on a real one-node SLURM (tests/slurm_cluster.py): the rendered
 deploy/slurm/jaxpar.sbatch, CPU variant (2 tasks, 4 forced CPU devices each), trains with jax's
-SLURM cluster detection to the losses and gradient norms of one process on the 8 devices; `scancel --signal=TERM` makes both tasks save
-at one step and exit 0, and the job, requeued (`scontrol requeue`), resumes from that checkpoint
-and ends on the same losses.
+SLURM cluster detection to the losses and gradient norms of one process on the 8 devices;
+`scancel --signal=TERM` makes both tasks save at one step and exit 0, and the job, requeued
+(`scontrol requeue`), resumes from that checkpoint and ends on the same losses.
 
 Needs root and the Debian packages slurm-wlm and munge (`.ci/run` installs them when it can);
 skipped otherwise. A requeued job is held for SLURM's credential lifetime (cred_expire, 120 s)
