@@ -444,11 +444,16 @@ def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: in
     else:
         weights = state["params"]
     per_micro = 2 * stash + 2 * weights + state["grads"]
-    # the update runs on the optimizer's shard: its params, float32 gradient and Adam state, read
-    # and written (ZeRO-1/2 then write the all-gathered params)
+    per_tick = 2 * residuals + state["grads"] + 2 * tokens * ms.dim * c if p > 1 else 0.0
+    return layout.micro * per_micro + optimizer_traffic(cfg, layout, state) + ticks * per_tick
+
+
+def optimizer_traffic(cfg: Config, layout: Layout, state: dict[str, float]) -> float:
+    """Bytes the optimizer's update moves per step: its shard's params, float32 gradient and Adam
+    state read, params and state written (ZeRO-1/2 then write the all-gathered params). Its own
+    term because it runs after the last gradient has arrived: no matmul of the step hides it."""
     shard = state["update"] / (4 * ADAM_TRANSIENT)
-    optimizer = 2 * state["opt_state"] + shard * (2 * itemsize(t.param_dtype) + 4) + state["update"]
+    optimizer = 2 * state["opt_state"] + shard * (2 * itemsize(cfg.train.param_dtype) + 4) + state["update"]
     if layout.zero_stage in (1, 2):
         optimizer += state["gathered"]
-    per_tick = 2 * residuals + state["grads"] + 2 * tokens * ms.dim * c if p > 1 else 0.0
-    return layout.micro * per_micro + optimizer + ticks * per_tick
+    return optimizer

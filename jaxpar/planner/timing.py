@@ -9,7 +9,8 @@ fixed costs + pipeline bubble; on compute units shared by several devices, all d
             optimizer's pass, a pipeline tick's buffers) / memory_gbps; on a CPU also the
             step's fresh temporaries (activations, working set, logits) / fresh_gbps (first
             touches: page faults). Against compute by a roofline: efficiency.memory_overlap 1
-            takes the longer, 0 adds both (XLA:CPU: why remat `full` beats none there)
+            takes the longer, 0 adds both (XLA:CPU: why remat `full` beats none there); the
+            optimizer's pass adds after the pipeline, outside the roofline (nothing hides it)
   comm      per collective: wire bytes / (link bandwidth x efficiency.comm) + latency per ring
             step (or per op: a `rendezvous` link), on the intra- or inter-host link by the
             layout's dcn split; gradient sync hidden by efficiency.overlap, ZeRO-3 gathers by
@@ -38,7 +39,7 @@ from jaxpar.metrics import llama_flops_per_token
 from jaxpar.parallel.pipeline.schedule import SPLIT, Op, device_orders, op_inputs, op_key
 from jaxpar.planner.cluster import Cluster
 from jaxpar.planner.layout import Layout, timetable
-from jaxpar.planner.memory import ModelShape, activation_terms, state_terms, step_traffic
+from jaxpar.planner.memory import ModelShape, activation_terms, optimizer_traffic, state_terms, step_traffic
 
 # how a pipeline's ops are timed: "lockstep", jaxpar's runner (one scan of ticks, a tick as long
 # as its slowest device); "dataflow", each device's ops back to back as their inputs arrive
@@ -174,6 +175,7 @@ class StepTime:
     memory_s: float = 0.0          # memory traffic not hidden behind compute (a device's)
     overhead_s: float = 0.0        # per-layer and per-tick fixed costs (a device's)
     shared: bool = False           # the step is bound by all devices' work on shared compute units
+    update_s: float = 0.0          # the optimizer's pass (a device's; in memory_s, after the roofline)
     # seconds of step_s by the constant that scales them: compute (1 / efficiency.matmul),
     # memory (1 / memory_gbps), fresh (1 / fresh_gbps), comm (1 / efficiency.comm and the links'
     # latency), fixed (the *_overhead_us); what `jaxpar plan fit` fits
@@ -207,11 +209,12 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
     peak = cluster.peak(t.compute_dtype)
     eff = cluster.efficiency
     compute = model_flops * recompute_factor(layout) / devices / (peak * eff.matmul)
-    memory = 0.0
+    memory = update = 0.0
     if cluster.memory_gbps:
         state = state if state is not None else state_terms(cfg, layout, model)
         ticks = pipeline_ticks(layout, layout.micro)
-        memory = step_traffic(cfg, layout, state, ticks) / (cluster.memory_gbps * 1e9)
+        update = optimizer_traffic(cfg, layout, state) / (cluster.memory_gbps * 1e9)
+        memory = step_traffic(cfg, layout, state, ticks) / (cluster.memory_gbps * 1e9) - update
     fresh = 0.0
     if cluster.fresh_gbps:
         act = activation_terms(cfg, layout)
@@ -236,8 +239,8 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
     stretch = pipeline_stretch(cfg, layout, micro, clock)
     critical = part_c + part_m + layer_fixed + on_path
     bubble = (stretch - 1.0) * critical
-    step = critical + bubble + tick_fixed + exposed["grad_sync"]
-    parts = {"compute": part_c * stretch, "memory": (part_m - part_f) * stretch, "fresh": part_f * stretch,
+    step = critical + bubble + tick_fixed + exposed["grad_sync"] + update
+    parts = {"compute": part_c * stretch, "memory": (part_m - part_f) * stretch + update, "fresh": part_f * stretch,
              "comm": on_path * stretch + exposed["grad_sync"], "fixed": layer_fixed * stretch + tick_fixed}
     shared = False
     if cluster.shared_compute:
@@ -246,12 +249,12 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
         # the compute; its bytes are in step_traffic)
         per_unit = devices / cluster.compute_units
         again = 4 / 3 if layout.size("pipeline") > 1 and layout.recompute else 1.0
-        work = part_c * again + part_m + layer_fixed + tick_fixed
+        work = part_c * again + part_m + update + layer_fixed + tick_fixed
         busy = per_unit * work + on_path + exposed["grad_sync"]
         if busy > step:
             step, shared, bubble = busy, True, 0.0
-            parts = {"compute": per_unit * again * part_c, "memory": per_unit * (part_m - part_f),
+            parts = {"compute": per_unit * again * part_c, "memory": per_unit * (part_m - part_f + update),
                      "fresh": per_unit * part_f, "comm": on_path + exposed["grad_sync"],
                      "fixed": per_unit * (layer_fixed + tick_fixed)}
     return StepTime(part_c, exposed, bubble, step, tokens / step, model_flops / (step * devices * peak),
-                    model_flops, part_m, layer_fixed + tick_fixed, shared, parts)
+                    model_flops, part_m + update, layer_fixed + tick_fixed, shared, update, parts)
