@@ -199,6 +199,10 @@ class Llama(nnx.Module):
         """tokens [batch, seq] -> logits; segment_ids / positions [batch, seq] for packed
         documents; token_weights (which tokens count) unused: no per-token statistic is sown."""
         cfg = self.cfg
+        # the ids whole along the sequence: pinned to the residual's split, their slice off the
+        # [b, seq + 1] rows would be a halo exchange (collective-permutes; in a pipeline
+        # stage's branch, a rendezvous the other stages never join)
+        tokens = constrain(tokens, ("batch", "seq"))
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
         cos, sin = model_rope(cfg, tokens.shape[1] if positions is None else positions)
         x = scan_layers(self.layers, x, lambda layer, h: layer(h, cos, sin, segment_ids))

@@ -221,6 +221,10 @@ class MoELlama(nnx.Module):
         """As models.llama.Llama (segment_ids, positions [batch, seq] optional); token_weights
         [batch, seq]: the tokens the router losses count and the experts route (None: all)."""
         cfg, m = self.cfg, self.cfg.moe
+        # the ids whole along the sequence: pinned to the residual's split, their slice off the
+        # [b, seq + 1] rows would be a halo exchange (collective-permutes; in a pipeline
+        # stage's branch, a rendezvous the other stages never join)
+        tokens = constrain(tokens, ("batch", "seq"))
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), RESIDUAL)
         cos, sin = model_rope(cfg, tokens.shape[1] if positions is None else positions)
         acc = {"lb": jnp.zeros(()), "z": jnp.zeros(()), "dropped": jnp.zeros(()),

@@ -31,7 +31,7 @@ TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups r
 ZB_FULL = f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.schedule=zb_h1 train.remat=full {TOL}"
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
 # policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16; beside sequence
-# parallelism), context: 27 layouts, one compile each
+# parallelism, and sequence parallelism in a pipeline), context: 29 layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
@@ -65,6 +65,11 @@ LAYOUTS = [
     f"train.compute_dtype=bfloat16 {TOL}",
     f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 train.remat=full "
     f"train.compute_dtype=bfloat16 {TOL}",
+    # sequence parallelism in a pipeline's stages: the sends and the stash split over tensor;
+    # zb_h1's W gathers the norm outputs again
+    f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 sharding.sequence_parallel=true {TOL}",
+    f"mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=2 sharding.sequence_parallel=true "
+    f"pipeline.schedule=zb_h1 {TOL}",
     f"mesh.data=2 mesh.expert=4 model.moe.num_experts=4 {TOL}",
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1",
     "mesh.data=2 mesh.tensor=2 mesh.fsdp=2 sharding.zero_stage=3 train.remat=dots_saveable",

@@ -40,6 +40,7 @@ import math
 import jax
 
 from jaxpar.metrics import COLLECTIVE_KINDS
+from jaxpar.parallel.pipeline.schedule import SPLIT
 from jaxpar.sharding import ZERO_AXIS as ZERO, Plan, entry_axes
 from jaxpar.xla import jaxlib_version
 
@@ -71,7 +72,7 @@ def permute_itemsize(itemsize: int, platform: str, jaxlib: tuple[int, ...] | Non
     return max(itemsize, 4) if platform == "cpu" and old else itemsize
 
 
-def sp_collectives(remat: str, platform: str) -> tuple[int, int]:
+def sp_collectives(remat: str, platform: str, split_backward: bool = False) -> tuple[int, int]:
     """(all-gathers, reduce-scatters) of [tokens, D] per layer with sequence parallelism. Forward:
     each block gathers its normed input and scatters its output (2 + 2). Backward: the scatters'
     gradients are gathers (2), the gathers' are scatters (tp_backward_all_reduces, one per
@@ -79,9 +80,11 @@ def sp_collectives(remat: str, platform: str) -> tuple[int, int]:
     the step gathers again (2; Megatron-LM's SP does the same) unless remat "full" has just
     recomputed them: its recomputed forward gathers 2 and scatters 1 (the attention's output;
     the MLP's is the layer's output, which nothing in the backward reads). Read off the XLA:CPU
-    HLO (2026-12-03): 6 and 7 per layer with and without remat full, 8 scatters with it."""
+    HLO (2026-12-03): 6 and 7 per layer with and without remat full, 8 scatters with it. A
+    backward split in two (zb_h1's Bx and W) gathers the norm outputs for W's weight gradients
+    once more (2; XLA:CPU HLO of a p=2 pipeline, 2026-12-06)."""
     scatters = 2 + tp_backward_all_reduces(platform) + (1 if remat == "full" else 0)
-    return 6, scatters
+    return 6 + (2 if split_backward else 0), scatters
 
 
 def wire_bytes(kind: str, result_bytes: float, n: int) -> float:
@@ -232,12 +235,15 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
         ar = act * all_reduce_itemsize(c, platform) / c
         lk = link(("tensor",))
         if cfg.sharding.sequence_parallel:
-            gathers, scatters = sp_collectives(layout.remat, platform)
-            add_op(out, "all-gather", act, tp, micro * (layers * gathers + 2), lk)
+            split = layout.size("pipeline") > 1 and layout.schedule in SPLIT
+            gathers, scatters = sp_collectives(layout.remat, platform, split)
+            # the embedding's and the head's: on a pipeline's first and last stage (1/p on average)
+            ends = 1 / layout.size("pipeline")
+            add_op(out, "all-gather", act, tp, micro * (layers * gathers + 2 * ends), lk)
             if platform == "gpu":
-                add_op(out, "reduce-scatter", act / tp, tp, micro * (layers * scatters + 1), lk)
+                add_op(out, "reduce-scatter", act / tp, tp, micro * (layers * scatters + ends), lk)
             else:  # no ReduceScatterCreator: all-reduce, then each device slices its part
-                add_op(out, "all-reduce", ar, tp, micro * (layers * scatters + 1), lk)
+                add_op(out, "all-reduce", ar, tp, micro * (layers * scatters + ends), lk)
         else:
             add_op(out, "all-reduce", ar, tp, micro * (layers * per_layer + ends), lk)
         purpose["tensor"] = sum(r["wire_bytes"] for r in out.values()) - before
@@ -246,17 +252,21 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
         before = sum(r["wire_bytes"] for r in out.values())
         from jaxpar.planner.layout import timetable
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
+        # with sequence parallelism a device's part of the activation is 1/tensor of it
+        part = act / tp if cfg.sharding.sequence_parallel else act
         if clock == "dataflow":
             # every op but the last stage's forwards and the first stage's backwards sends once,
-            # 1/tensor of the activation each, gathered over tensor on arrival
+            # 1/tensor of the activation each, gathered over tensor on arrival (unless sequence
+            # parallel: the stage reads it split)
             sends = 2 * micro * v * (p * v - 1) / (p * v)
             add_op(out, "collective-permute", act / tp, p, sends, link(("pipeline",)))
-            add_op(out, "all-gather", act, tp, sends, link(("tensor",)))
+            if not cfg.sharding.sequence_parallel:
+                add_op(out, "all-gather", act, tp, sends, link(("tensor",)))
         else:
             tt = timetable(layout.schedule, p, micro, v, layout.recompute)
             # the runner permutes on the ticks on which some device receives (no sends when idle)
             sends = int((tt.recv_x >= 0).any(axis=1).sum() + (tt.recv_g >= 0).any(axis=1).sum())
-            add_op(out, "collective-permute", act * permute_itemsize(c, platform) / c, p, sends,
+            add_op(out, "collective-permute", part * permute_itemsize(c, platform) / c, p, sends,
                    link(("pipeline",)))
         purpose["pipeline"] = sum(r["wire_bytes"] for r in out.values()) - before
     e = layout.size("expert")

@@ -240,8 +240,9 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
     critical = part_c + part_m + layer_fixed + on_path
     bubble = (stretch - 1.0) * critical
     step = critical + bubble + tick_fixed + exposed["grad_sync"] + update
-    parts = {"compute": part_c * stretch, "memory": (part_m - part_f) * stretch + update, "fresh": part_f * stretch,
-             "comm": on_path * stretch + exposed["grad_sync"], "fixed": layer_fixed * stretch + tick_fixed}
+    parts = {"compute": part_c * stretch, "memory": (part_m - part_f) * stretch + update,
+             "fresh": part_f * stretch, "comm": on_path * stretch + exposed["grad_sync"],
+             "fixed": layer_fixed * stretch + tick_fixed}
     shared = False
     if cluster.shared_compute:
         # every device's work queues for the shared units: replicated work counts once per

@@ -33,11 +33,6 @@ def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
     m = pc.resolved_microbatches(t.grad_accum)
     check_schedule(pc.schedule, p, m, pc.virtual_stages, cfg.model.n_layers if check_model else None,
                    pc.recompute)
-    if cfg.sharding.sequence_parallel:
-        raise ConfigError(
-            "sharding.sequence_parallel does not compose with mesh.pipeline > 1 yet (the compiler's "
-            "collective-permutes inside a stage's branch would wait on the other stages); set "
-            "sharding.sequence_parallel=false")
     if cfg.data.packing and cfg.data.reset_positions and not pc.recompute:
         # per-row RoPE tables: JAX gives a stage's vjp a different number of residuals in
         # different ticks (4 or 8 a layer), so they cannot have fixed stash slots (runner.py)
