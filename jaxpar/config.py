@@ -221,7 +221,9 @@ class ShardingConfig(Strict):
     """How logical axes map to mesh axes, and what ZeRO shards over `fsdp`."""
 
     zero_stage: Literal[0, 1, 2, 3, "auto"] = 1  # auto: the planner's choice
-    sequence_parallel: bool = False
+    # the residual stream split over `tensor` along the sequence (parallel/tensor.py); auto: the
+    # planner's choice
+    sequence_parallel: bool | Literal["auto"] = False
     rules: dict[str, list[str]] = Field(default_factory=dict)
     replicated_tolerance: float = Field(0.05, ge=0, le=1)
 
@@ -246,7 +248,7 @@ class ShardingConfig(Strict):
 
     def resolved_rules(self) -> dict[str, tuple[str, ...]]:
         rules = {k: tuple(v) for k, v in DEFAULT_RULES.items()}
-        if self.sequence_parallel:
+        if self.sequence_parallel is True:
             rules["residual_seq"] = ("tensor",)
         rules.update({k: tuple(v) for k, v in self.rules.items()})
         return rules
@@ -691,7 +693,7 @@ class PlannerConfig(Strict):
     cluster: str | None = None
 
 
-AUTO_FIELDS = ("mesh", "sharding.zero_stage", "train.remat", "train.grad_accum")
+AUTO_FIELDS = ("mesh", "sharding.zero_stage", "sharding.sequence_parallel", "train.remat", "train.grad_accum")
 
 
 class Config(Strict):
@@ -728,7 +730,9 @@ class Config(Strict):
         out = ["mesh"] if self.mesh.auto else []
         out += [f for f, v in (("sharding.zero_stage", self.sharding.zero_stage),
                                ("train.remat", self.train.remat),
-                               ("train.grad_accum", self.train.grad_accum)) if v == "auto"]
+                               ("train.grad_accum", self.train.grad_accum),
+                               ("sharding.sequence_parallel", self.sharding.sequence_parallel))
+                if v == "auto"]
         return out
 
     @field_validator("name")

@@ -2,6 +2,7 @@
 its first use), and per-program options given to each compile of the step (compiler_options)."""
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -47,9 +48,10 @@ def _gpu_plugin_present() -> bool:
     return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
+@functools.cache
 def jaxlib_version() -> tuple[int, ...]:
     """The installed jaxlib's version, read from its metadata (importing it would start nothing,
-    but this module must not import JAX)."""
+    but this module must not import JAX); read once (the planner asks per layout)."""
     try:
         text = importlib.metadata.version("jaxlib")
     except importlib.metadata.PackageNotFoundError:

@@ -24,6 +24,7 @@ class Layout:
     microbatches: int | None = None  # pipeline.microbatches; None: grad_accum
     recompute: bool = False          # pipeline.recompute
     dcn: dict[str, int] = field(default_factory=dict)  # the across-hosts part of each axis
+    sequence_parallel: bool = False  # sharding.sequence_parallel (used when mesh.tensor > 1)
 
     @property
     def micro(self) -> int:
@@ -40,7 +41,8 @@ class Layout:
     def overrides(self) -> list[str]:
         out = [f"mesh.{a}={self.mesh.get(a, 1)}" for a in MESH_AXES]
         out += [f"sharding.zero_stage={self.zero_stage}", f"train.remat={self.remat}",
-                f"train.grad_accum={self.grad_accum}"]
+                f"train.grad_accum={self.grad_accum}",
+                f"sharding.sequence_parallel={str(self.sequence_parallel).lower()}"]
         if self.size("pipeline") > 1:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
                     f"pipeline.microbatches={self.microbatches or 'null'}",
@@ -56,6 +58,7 @@ class Layout:
     def label(self) -> str:
         mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "1 device"
         extra = f" zero={self.zero_stage} remat={self.remat} accum={self.grad_accum}"
+        extra += " seqpar" if self.sequence_parallel and self.size("tensor") > 1 else ""
         if self.size("pipeline") > 1:
             extra += f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
             extra += " recompute" if self.recompute else ""
@@ -69,7 +72,7 @@ class Layout:
         t = cfg.train
         return cls({a: sizes[a] for a in MESH_AXES}, cfg.sharding.zero_stage, t.remat, t.grad_accum,
                    cfg.pipeline.schedule, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches,
-                   cfg.pipeline.recompute, dict(cfg.mesh.dcn))
+                   cfg.pipeline.recompute, dict(cfg.mesh.dcn), cfg.sharding.sequence_parallel is True)
 
 
 def abstract_plan(cfg: Config, layout: Layout) -> Plan:

@@ -221,7 +221,7 @@ def check_selective_run(run: SelectiveRun, cluster_name: str = "a100_80gb_x8") -
     where Megatron's holds p; docs/planner.md)."""
     from jaxpar.planner.search import search
     cfg, cluster, model = _planning(run.config(), cluster_name, run.gpus)
-    opts = {"remat": "none", "zero_stage": 0, "grad_accum": run.batch // run.micro}
+    opts = {"remat": "none", "zero_stage": 0, "grad_accum": run.batch // run.micro, "sequence_parallel": True}
     clock = "lockstep"
     if run.pipeline > 1:
         opts.update(schedule="interleaved_1f1b" if run.virtual > 1 else "1f1b",
@@ -276,7 +276,7 @@ def check_run(run: GPTRun, cluster_name: str = "a100_80gb_x8", free: bool = True
     cfg, cluster, model = _planning(run.config(), cluster_name, run.gpus)
     tflops = lambda scored: run.megatron_flops() / scored.time.step_s / run.gpus / 1e12
     fixed = {"tensor": run.tensor, "pipeline": run.pipeline, "fsdp": 1}
-    paper_opts = {"remat": "full", "zero_stage": 0, "recompute": False}
+    paper_opts = {"remat": "full", "zero_stage": 0, "recompute": False, "sequence_parallel": False}
     if run.pipeline > 1:
         # the paper's pipelines as Megatron-LM runs them: 1F1B, or its interleaved schedule (not
         # for 2 stages), each device's ops back to back as their inputs arrive (timing.CLOCKS)

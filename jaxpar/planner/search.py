@@ -23,6 +23,9 @@ REMATS = ("none", "dots_saveable", "full")  # searched; --layout may pin any of 
 # forward's residuals): its bubble is a third of 1f1b's, paid for with the cotangents Bx keeps
 # for W (memory.w_kept_bytes)
 PIPELINE_OPTIONS = ("schedule", "virtual_stages")
+# sequence parallelism is searched where mesh.tensor > 1: a tensor-th of the residual stream's
+# activations for more bytes in the tensor collectives (the backward gathers the norm outputs
+# again; XLA:CPU has no reduce-scatter: all-reduce, then a slice), so it wins where memory binds
 MAX_MICROBATCHES = 512
 # mesh.context is searched from this sequence length on (or when --layout fixes it): below it the
 # activations it divides are small next to the weights, and its collectives run every layer
@@ -139,19 +142,22 @@ def options(cfg: Config, mesh: dict[str, int], pin: dict | None = None):
     p = mesh.get("pipeline", 1)
     if p == 1 and any(k in pin for k in PIPELINE_OPTIONS):
         return
+    sps = ((pin["sequence_parallel"],) if "sequence_parallel" in pin
+           else (False, True) if mesh.get("tensor", 1) > 1 else (False,))
     for zero in stages:
         for remat in remats:
             for accum in accums:
-                if p == 1:
-                    yield dict(zero_stage=zero, remat=remat, grad_accum=accum)
-                    continue
-                for sched in schedules:
-                    v = pin.get("virtual_stages", 2 if sched == "interleaved_1f1b" else 1)
-                    if v > 1 and m.n_layers % (p * v):
+                for sp in sps:
+                    if p == 1:
+                        yield dict(zero_stage=zero, remat=remat, grad_accum=accum, sequence_parallel=sp)
                         continue
-                    for recompute in (False,) if sched in SPLIT else (False, True):
-                        yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched,
-                                   virtual_stages=v, recompute=recompute)
+                    for sched in schedules:
+                        v = pin.get("virtual_stages", 2 if sched == "interleaved_1f1b" else 1)
+                        if v > 1 and m.n_layers % (p * v):
+                            continue
+                        for recompute in (False,) if sched in SPLIT else (False, True):
+                            yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched,
+                                       virtual_stages=v, recompute=recompute, sequence_parallel=sp)
 
 
 def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None = None,
@@ -167,6 +173,10 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
     state_cache: dict = {}
     check_cache: dict = {}
     sync_cache: dict = {}
+    # the config as each layout runs it: with and without sequence parallelism (its one setting
+    # outside the mesh and the step options that the cost model reads from the config)
+    with_sp = {sp: cfg.model_copy(update={"sharding": cfg.sharding.model_copy(
+        update={"sequence_parallel": sp})}) for sp in (False, True)}
     for mesh in mesh_shapes(cluster.devices, axes):
         if fixed and any(mesh.get(a, 1) != n for a, n in fixed.items()):
             continue
@@ -183,22 +193,23 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
         for opt in options(cfg, mesh, options_fixed):
             layout = Layout(mesh, dcn=dcn, **opt)
             result.considered += 1
-            reason = check(cfg, layout, model, cluster.platform, check_cache)
+            c = with_sp[layout.sequence_parallel]
+            reason = check(c, layout, model, cluster.platform, check_cache)
             if reason is not None:
                 result.rejected.setdefault(reason, []).append(layout)
                 continue
             key = (tuple(mesh.values()), layout.zero_stage, layout.micro > 1)
             if key not in state_cache:
-                state_cache[key] = state_terms(cfg, layout, model)
-            mem = estimate(cfg, layout, model, state_cache[key], cluster.platform)
+                state_cache[key] = state_terms(c, layout, model)
+            mem = estimate(c, layout, model, state_cache[key], cluster.platform)
             if mem["total"] > budget:
                 result.rejected.setdefault(
                     f"memory: needs more than {HEADROOM:.0%} of {cluster.memory_gib:g} GiB per device",
                     []).append(layout)
                 continue
-            comm = step_collectives(cfg, layout, model, abstract_plan(cfg, layout), sync_cache,
+            comm = step_collectives(c, layout, model, abstract_plan(c, layout), sync_cache,
                                     cluster.platform, clock)
-            result.ranked.append(Scored(layout, mem, comm, step_time(cfg, layout, model, cluster, comm,
+            result.ranked.append(Scored(layout, mem, comm, step_time(c, layout, model, cluster, comm,
                                                                    state_cache[key], clock)))
     if not result.considered:
         sizes = " ".join(f"mesh.{a}={n}" for a, n in (fixed or {}).items()) or "(none)"
