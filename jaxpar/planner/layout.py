@@ -76,10 +76,17 @@ class Layout:
 
 
 def abstract_plan(cfg: Config, layout: Layout) -> Plan:
-    """The sharding plan of `layout` on a mesh without devices (shapes only: any cluster size)."""
+    """The sharding plan of `layout` on a mesh without devices (shapes only: any cluster size);
+    one object per mesh, rules and ZeRO stage (a search asks for each many times)."""
+    rules = tuple(sorted(cfg.sharding.resolved_rules().items()))
+    return _abstract_plan(tuple(layout.size(a) for a in MESH_AXES), rules, layout.zero_stage,
+                          cfg.sharding.replicated_tolerance)
+
+
+@functools.lru_cache(maxsize=8192)
+def _abstract_plan(sizes: tuple, rules: tuple, zero_stage: int, tolerance: float) -> Plan:
     names = tuple(MESH_AXES)
-    mesh = jax.sharding.AbstractMesh(tuple(layout.size(a) for a in names), names)
-    return Plan(mesh, cfg.sharding.resolved_rules(), layout.zero_stage, cfg.sharding.replicated_tolerance)
+    return Plan(jax.sharding.AbstractMesh(sizes, names), dict(rules), zero_stage, tolerance)
 
 
 @functools.lru_cache(maxsize=4096)

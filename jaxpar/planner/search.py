@@ -90,20 +90,26 @@ def dcn_split(mesh: dict[str, int], cluster: Cluster) -> dict[str, int]:
 def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None = None) -> str | None:
     """Why the config checks refuse `layout` (None: they accept it). `cache` keeps the
     replication check's answer per mesh and ZeRO stage."""
-    t = cfg.train.model_copy(update={"grad_accum": layout.grad_accum, "remat": layout.remat})
-    pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule, "recompute": layout.recompute,
-                                           "virtual_stages": layout.virtual_stages,
-                                           "microbatches": layout.microbatches})
-    c = cfg.model_copy(update={"train": t, "pipeline": pipe})
+    cache = {} if cache is None else cache
+    # the config as the layout runs it: the same for every mesh, made once per option set
+    opts = ("config", id(cfg), layout.grad_accum, layout.remat, layout.schedule, layout.recompute,
+            layout.virtual_stages, layout.microbatches)
+    if opts not in cache:
+        t = cfg.train.model_copy(update={"grad_accum": layout.grad_accum, "remat": layout.remat})
+        pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule, "recompute": layout.recompute,
+                                               "virtual_stages": layout.virtual_stages,
+                                               "microbatches": layout.microbatches})
+        # cfg is kept beside its copy, so that its id is not reused while the cache lives
+        cache[opts] = (cfg, cfg.model_copy(update={"train": t, "pipeline": pipe}))
+    c = cache[opts][1]
     plan = abstract_plan(c, layout)
     try:
         check_layout(c, plan, platform=platform)
     except ConfigError as e:
         return str(e)
-    cache = {} if cache is None else cache
     key = (tuple(layout.mesh.values()), layout.zero_stage)
     if key not in cache:
-        cache[key] = _replication(plan, model, np.dtype(DTYPES[t.param_dtype]).itemsize)
+        cache[key] = _replication(plan, model, np.dtype(DTYPES[cfg.train.param_dtype]).itemsize)
     return cache[key]
 
 
