@@ -217,11 +217,12 @@ def check_selective_run(run: SelectiveRun, cluster_name: str = "a100_80gb_x8") -
     what is checked: the memory is jaxpar's (float32 weights and gradients beside Adam's state
     and its update's transient, ~20 bytes a parameter against Megatron's 18, and a stage's vjp
     residuals as stashed), reported as `memory_gib` and not held to the budget (the pipelined
-    rows need 76-127 GiB: jaxpar's 1F1B holds up to 2p - 1 stage inputs
-    where Megatron's holds p; docs/planner.md)."""
+    rows need 76-127 GiB: jaxpar's 1F1B holds up to 2p - 1 stage inputs where Megatron's holds
+    p; docs/planner.md)."""
     from jaxpar.planner.search import search
     cfg, cluster, model = _planning(run.config(), cluster_name, run.gpus)
-    opts = {"remat": "none", "zero_stage": 0, "grad_accum": run.batch // run.micro, "sequence_parallel": True}
+    opts = {"remat": "none", "zero_stage": 0, "grad_accum": run.batch // run.micro,
+            "sequence_parallel": True}
     clock = "lockstep"
     if run.pipeline > 1:
         opts.update(schedule="interleaved_1f1b" if run.virtual > 1 else "1f1b",
@@ -232,9 +233,8 @@ def check_selective_run(run: SelectiveRun, cluster_name: str = "a100_80gb_x8") -
              "data": run.gpus // (run.tensor * run.pipeline)}
     res = search(cfg, cluster, model, fixed=fixed, options_fixed=opts, clock=clock)
     out = {"run": run.name, "gpus": run.gpus, "published_s": run.step_s, "published_mfu": run.mfu}
-    ranked = [r for r in res.ranked if not r.layout.recompute]
-    if ranked:
-        p = ranked[0]
+    if res.ranked:
+        p = res.ranked[0]
         mfu = _mfu(run.model_flops(), p, run.gpus, cluster)
         out.update(plan=p.layout.label(), predicted_s=p.time.step_s, predicted_mfu=mfu,
                    residual=mfu / run.mfu - 1, memory_gib=p.memory["total"] / 2**30)

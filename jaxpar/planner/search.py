@@ -161,7 +161,10 @@ def options(cfg: Config, mesh: dict[str, int], pin: dict | None = None):
                         v = pin.get("virtual_stages", 2 if sched == "interleaved_1f1b" else 1)
                         if v > 1 and m.n_layers % (p * v):
                             continue
-                        for recompute in (False,) if sched in SPLIT else (False, True):
+                        recomputes = (False,) if sched in SPLIT else (False, True)
+                        if "recompute" in pin:
+                            recomputes = tuple(r for r in recomputes if r == pin["recompute"])
+                        for recompute in recomputes:
                             yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched,
                                        virtual_stages=v, recompute=recompute, sequence_parallel=sp)
 
