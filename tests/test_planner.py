@@ -428,6 +428,10 @@ def test_pinned_options_are_scored_even_where_the_search_would_not_try_them(caps
     assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--layout",
                  "sharding.sequence_parallel=1"]) == 2
     assert "--layout sharding.sequence_parallel='1': valid values are true, false" in capsys.readouterr().err
+    assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--layout", "mesh.pipeline=2",
+                 "train.grad_accum=2", "pipeline.recompute=true", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert plans["best"] and all(p["layout"].endswith(" recompute") for p in plans["best"]), plans["best"][:2]
 
 
 def test_mesh_auto_trains_like_the_layout_it_chose():

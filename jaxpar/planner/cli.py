@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=5, help="layouts to print, >= 1 (default 5)")
     p.add_argument("--layout", action="extend", nargs="+", default=[], metavar="mesh.x=N",
                    help="score only layouts with these settings (mesh.*, sharding.zero_stage, train.remat, "
-                        "train.grad_accum, pipeline.schedule, pipeline.virtual_stages, "
+                        "train.grad_accum, pipeline.schedule, pipeline.virtual_stages, pipeline.recompute, "
                         "sharding.sequence_parallel); several after one --layout, or repeated")
     p.add_argument("--explain", action="store_true", help="break the best plan into its terms")
     p.add_argument("--json", action="store_true")
@@ -29,7 +29,8 @@ def add_parser(sub) -> None:
 
 LAYOUT_KEYS = {"sharding.zero_stage": "zero_stage", "train.remat": "remat", "train.grad_accum": "grad_accum",
                "pipeline.schedule": "schedule", "pipeline.virtual_stages": "virtual_stages",
-               "sharding.sequence_parallel": "sequence_parallel"}
+               "pipeline.recompute": "recompute", "sharding.sequence_parallel": "sequence_parallel"}
+FLAGS = ("pipeline.recompute", "sharding.sequence_parallel")  # true / false
 
 
 def parse_layout(items: list[str]) -> tuple[dict[str, int], dict]:
@@ -60,8 +61,8 @@ def _layout_value(key: str, raw: str, value):
     from jaxpar.config import REMAT_POLICIES
     from jaxpar.parallel.pipeline.schedule import SCHEDULES
     valid = {"sharding.zero_stage": (0, 1, 2, 3), "train.remat": REMAT_POLICIES,
-             "pipeline.schedule": SCHEDULES, "sharding.sequence_parallel": (False, True)}.get(key)
-    flag = key == "sharding.sequence_parallel"
+             "pipeline.schedule": SCHEDULES, **{k: (False, True) for k in FLAGS}}.get(key)
+    flag = key in FLAGS
     if valid is not None and (value not in valid or isinstance(value, bool) != flag):
         names = "true, false" if flag else ", ".join(map(str, valid))
         raise ConfigError(f"--layout {key}={raw!r}: valid values are {names}")
