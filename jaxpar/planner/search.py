@@ -91,17 +91,17 @@ def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None 
     """Why the config checks refuse `layout` (None: they accept it). `cache` keeps the
     replication check's answer per mesh and ZeRO stage."""
     cache = {} if cache is None else cache
-    # the config as the layout runs it: the same for every mesh, made once per option set
-    opts = ("config", id(cfg), layout.grad_accum, layout.remat, layout.schedule, layout.recompute,
-            layout.virtual_stages, layout.microbatches)
+    # the config as the layout runs it: the same for every mesh, made once per option set (the
+    # configs one search passes differ only in sharding.sequence_parallel)
+    opts = ("config", cfg.sharding.sequence_parallel, layout.grad_accum, layout.remat, layout.schedule,
+            layout.recompute, layout.virtual_stages, layout.microbatches)
     if opts not in cache:
         t = cfg.train.model_copy(update={"grad_accum": layout.grad_accum, "remat": layout.remat})
         pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule, "recompute": layout.recompute,
                                                "virtual_stages": layout.virtual_stages,
                                                "microbatches": layout.microbatches})
-        # cfg is kept beside its copy, so that its id is not reused while the cache lives
-        cache[opts] = (cfg, cfg.model_copy(update={"train": t, "pipeline": pipe}))
-    c = cache[opts][1]
+        cache[opts] = cfg.model_copy(update={"train": t, "pipeline": pipe})
+    c = cache[opts]
     plan = abstract_plan(c, layout)
     try:
         check_layout(c, plan, platform=platform)
