@@ -24,15 +24,11 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from jaxpar.xla import apply_xla_flags
     apply_xla_flags(cfg)
-    from jaxpar.distributed import initialize  # before any other JAX call
-    multi = initialize(cfg.distributed, log=print) is not None
+    from jaxpar.distributed import initialize, is_main_process  # before any other JAX call
+    initialize(cfg.distributed, log=print)
     from jaxpar.train.trainer import run
-    if multi:
-        import jax
-        if jax.process_index() != 0:  # one copy of the run's messages (warnings and errors: all)
-            run(cfg, log=lambda msg: None)
-            return 0
-    run(cfg)
+    # one copy of the run's messages (warnings and errors: all)
+    run(cfg, log=print if is_main_process() else (lambda msg: None))
     return 0
 
 

@@ -224,6 +224,7 @@ def initialize(cfg: DistributedConfig | None = None, environ: Mapping[str, str] 
         cfg = DistributedConfig()
     cfg = getattr(cfg, "distributed", cfg)
     if jax.distributed.is_initialized():
+        same_program_on_every_process(log)
         return None
     s = resolve(cfg, environ)
     if s is None:
@@ -261,11 +262,33 @@ def initialize(cfg: DistributedConfig | None = None, environ: Mapping[str, str] 
         raise DistributedError(f"jax.distributed.initialize failed for {s.describe()}: {e}") from None
     finally:
         watchdog.cancel()
+    same_program_on_every_process(log)
     if log is not None:
         log(f"jax.distributed: process {jax.process_index()} of {jax.process_count()}, "
             f"{jax.local_device_count()} local devices of {jax.device_count()} "
             f"(coordinator {s.coordinator_address}; {s.source})")
     return s
+
+
+def same_program_on_every_process(log: Callable[[str], None] | None = None) -> None:
+    """Every process must launch each program under the same launch id: jaxlib (0.12.1 on)
+    matches a launch's CPU collectives across processes by it, and seeds it from the executable's
+    fingerprint. Launched under different ids, the collectives never meet and the first train
+    step hangs. Two things gave processes different fingerprints for one program:
+    - the Python call stack in the HLO's source metadata: a function traced from different lines
+      on different processes (`if rank == 0: run(cfg) else: run(cfg, log=...)`). Locations keep
+      only each op's own frame now.
+    - on CPU, the persistent compilation cache: its key covers the process's own topology, so
+      only process 0 ever finds its entries, and a step loaded from the cache has another
+      fingerprint than the same step compiled. It is off for multi-process CPU runs; the other
+      processes compile anyway, and every step waits for them."""
+    import jax
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    if jax.process_count() > 1 and jax.devices()[0].platform == "cpu" and jax.config.jax_enable_compilation_cache:
+        jax.config.update("jax_enable_compilation_cache", False)
+        if log is not None and jax.config.jax_compilation_cache_dir:
+            log("persistent compilation cache off: on CPU only process 0 can hit it, and a cached "
+                "step launched beside a compiled one would hang (jaxpar.distributed)")
 
 
 def is_main_process() -> bool:

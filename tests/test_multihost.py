@@ -96,6 +96,41 @@ def test_initialize_after_jax_started_is_a_clear_error(devices):
     assert initialize(DistributedConfig()) is None  # a single process: nothing to do
 
 
+
+def test_every_process_compiles_the_same_program_whatever_the_call_site(devices):
+    """jaxlib seeds an executable's launch ids from its fingerprint, and with full tracebacks in
+    the HLO's source metadata the fingerprint depends on where the step was traced from: the
+    rank-0 and other-rank branches of a script gave two processes different launch ids, and on
+    jaxlib 0.12.1 their gloo collectives never met (the first step hung). Once jax.distributed
+    is up, the same function traced from two places compiles to one program."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.distributed import same_program_on_every_process
+
+    def fresh():  # a new function object each time: traced anew, never a cache hit
+        return lambda x: jnp.sin(x) * 2
+
+    x = jnp.ones(3)
+
+    def here():
+        return jax.jit(fresh()).lower(x).compile()
+
+    def there():
+        return jax.jit(fresh()).lower(x).compile()
+
+    def fingerprint(compiled):
+        return compiled.runtime_executable().fingerprint, compiled.as_text()
+
+    before = jax.config.jax_include_full_tracebacks_in_locations
+    try:
+        jax.config.update("jax_include_full_tracebacks_in_locations", True)
+        assert fingerprint(here()) != fingerprint(there())  # the hazard is real here
+        same_program_on_every_process()
+        assert fingerprint(here()) == fingerprint(there())
+    finally:
+        jax.config.update("jax_include_full_tracebacks_in_locations", before)
+
 def _env(**extra) -> dict:
     env = dict(os.environ)
     env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
