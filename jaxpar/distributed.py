@@ -284,7 +284,8 @@ def same_program_on_every_process(log: Callable[[str], None] | None = None) -> N
       processes compile anyway, and every step waits for them."""
     import jax
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
-    if jax.process_count() > 1 and jax.devices()[0].platform == "cpu" and jax.config.jax_enable_compilation_cache:
+    cached = jax.config.jax_enable_compilation_cache
+    if cached and jax.process_count() > 1 and jax.devices()[0].platform == "cpu":
         jax.config.update("jax_enable_compilation_cache", False)
         if log is not None and jax.config.jax_compilation_cache_dir:
             log("persistent compilation cache off: on CPU only process 0 can hit it, and a cached "
