@@ -11,6 +11,32 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.extend.core import Literal
+
+from jaxpar.sharding import vary
+
+
+def bind_lenient(eqn, args: list) -> list:
+    """`eqn` applied to `args` (its outputs, as a list). A stashed residual can come back more
+    varying than the forward typed it (out of a ring buffer whose slot depends on the stage);
+    the vjp's pvary on it is then a no-op, which jax >= 0.12.1 refuses to bind, so it is cast
+    only over the axes still missing (jaxpar.sharding.vary)."""
+    with eqn.ctx.manager:
+        if eqn.primitive.name == "pvary":
+            return [vary(args[0], eqn.params["axes"])]
+        ans = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def replay(closed, args: list) -> list:
+    """The outputs of `closed` (a ClosedJaxpr) on `args`, each equation bound leniently."""
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, bind_lenient(eqn, [read(v) for v in eqn.invars])))
+    return [read(v) for v in jaxpr.outvars]
 
 
 @dataclass
@@ -20,6 +46,7 @@ class StashPlan:
 
     treedef: Any = None
     refs: tuple = ()
+    avals: tuple = ()  # every leaf's type as the forward made it
 
     def split(self, vjp_fn, known: dict[str, dict]) -> list:
         leaves, treedef = jax.tree.flatten(vjp_fn)
@@ -29,6 +56,7 @@ class StashPlan:
         # of them can take the residuals of another trace.
         if self.treedef is None:
             self.treedef, self.refs = treedef, refs
+            self.avals = tuple(jax.typeof(a) for a in leaves)
         elif refs != self.refs or treedef.num_leaves != self.treedef.num_leaves:
             raise RuntimeError("a pipeline stage's vjp changed structure between traces (a model input "
                                "such as per-row positions gives it residuals JAX counts differently in "
@@ -36,6 +64,13 @@ class StashPlan:
         return [a for a, r in zip(leaves, refs) if r is None]
 
     def join(self, kept: list, known: dict[str, dict]):
+        """The stage's vjp again, from the stashed leaves `kept` and the `known` arrays: traced
+        on the leaves as the forward typed them, replayed on the stashed ones (`replay`)."""
         it = iter(kept)
         leaves = [next(it) if r is None else known[r[0]][r[1]] for r in self.refs]
-        return jax.tree.unflatten(self.treedef, leaves)
+
+        def vjp(g):
+            fn = lambda leaves, g: jax.tree.unflatten(self.treedef, leaves)(g)
+            closed, out = jax.make_jaxpr(fn, return_shape=True)(list(self.avals), g)
+            return jax.tree.unflatten(jax.tree.structure(out), replay(closed, leaves + jax.tree.leaves(g)))
+        return vjp

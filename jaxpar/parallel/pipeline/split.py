@@ -30,8 +30,8 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, primitives
 
 from jaxpar import nn
-from jaxpar.parallel.pipeline.residuals import StashPlan
-from jaxpar.sharding import vary, vary_together
+from jaxpar.parallel.pipeline.residuals import StashPlan, bind_lenient
+from jaxpar.sharding import vary_together
 
 # By identity, not name: jax.checkpoint's primitive is named "remat2" and call_p / closed_call_p
 # are "eval_jaxpr" in jax 0.12 ("call" / "closed_call" in 0.10). A remat'd layer's backward is
@@ -119,15 +119,10 @@ class _Cut:
         env = {**self.consts, **env}
         for i in which:
             eqn, ins, keys = self.nodes[i]
+            # an inlined remat body was traced with the layer's invariant inputs (the rope
+            # tables), which arrive here varying: stashed, they vary over `pipeline`
             args = [a.val if isinstance(a, Literal) else env[a] for a in ins]
-            with eqn.ctx.manager:
-                if eqn.primitive.name == "pvary":
-                    # an inlined remat body was traced with the layer's invariant inputs (the
-                    # rope tables), which arrive here varying: stashed, they vary over `pipeline`
-                    ans = vary(args[0], eqn.params["axes"])
-                else:
-                    ans = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
-            env.update(zip(keys, ans if eqn.primitive.multiple_results else [ans]))
+            env.update(zip(keys, bind_lenient(eqn, args)))
         return [a.val if isinstance(a, Literal) else env[a] for a in outs]
 
 
@@ -172,10 +167,10 @@ class LayerSplit:
         x = vary_together(x, leaves)
         return jax.lax.scan(body, x, leaves)
 
-    def _cut(self, leaves: list, g) -> _Cut:
+    def _cut(self, g) -> _Cut:
         if self.cut is None:
             fn = lambda leaves, g: jax.tree.unflatten(self.stash.treedef, leaves)(g)
-            closed = jax.make_jaxpr(fn)(leaves, g)
+            closed = jax.make_jaxpr(fn)(list(self.stash.avals), g)  # the leaves as the forward typed them
             cut = _Cut.of(closed, len(self.names))
             refs = dict(zip(cut.in_keys, self.stash.refs))  # the cotangent's keys have none
             kept_at = {k: i for i, k in enumerate(k for k, r in zip(cut.in_keys, self.stash.refs)
@@ -196,7 +191,7 @@ class LayerSplit:
             kept_l, ls = xs
             leaves = self._leaves(kept_l, dict(zip(self.names, ls)), top)
             g_leaves = jax.tree.leaves(g)
-            cut = self._cut(leaves, g)
+            cut = self._cut(g)
             env = dict(zip(cut.in_keys, leaves + g_leaves))
             kept_w = [k for k, (src, _) in zip(cut.w_in, self.w_src) if src == "w"]
             out = cut.run(cut.x_nodes, env, cut.dx_out + kept_w)
