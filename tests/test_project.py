@@ -97,6 +97,7 @@ def test_weight_gradients_are_library_dots(dtype, name):
     """With nn.project no weight gradient is left to XLA's own dot loops; JAX's autodiff of the
     plain einsum leaves them there (the check can fail)."""
     assert naive_dots(_mlp_grad_hlo(nn.project, dtype), name) == 0
-    if jaxlib_version() < (0, 11):
-        pytest.skip("jaxlib < 0.11: XLA:CPU's default dots leave no naive loop to catch (0.10.2)")
+    if not (0, 11) <= jaxlib_version() < (0, 12, 1):
+        pytest.skip("XLA:CPU's default dots leave no naive loop to catch outside jaxlib 0.11-0.12.0 "
+                    "(0.10.2; 0.12.1 puts them in ynn fusions)")
     assert naive_dots(_mlp_grad_hlo(jnp.einsum, dtype), name) >= 1
