@@ -7,7 +7,7 @@ weights. Tracing is deterministic, so the plan made in one trace holds in every 
 same stage function (checked: `split` raises if a trace's references disagree)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -47,6 +47,7 @@ class StashPlan:
     treedef: Any = None
     refs: tuple = ()
     avals: tuple = ()  # every leaf's type as the forward made it
+    _programs: dict = field(default_factory=dict)  # `program`'s traces, by cotangent type
 
     def split(self, vjp_fn, known: dict[str, dict]) -> list:
         leaves, treedef = jax.tree.flatten(vjp_fn)
@@ -63,14 +64,24 @@ class StashPlan:
                                "different traces); run it with pipeline.recompute=true")
         return [a for a, r in zip(leaves, refs) if r is None]
 
+    def program(self, g):
+        """(ClosedJaxpr, output treedef) of the stage's vjp applied to a cotangent like `g`,
+        traced on the leaves as the forward typed them (the stashed ones may come back more
+        varying); traced once per cotangent type."""
+        key = tuple(jax.typeof(a) for a in jax.tree.leaves(g))
+        if key not in self._programs:
+            fn = lambda leaves, g: jax.tree.unflatten(self.treedef, leaves)(g)
+            closed, out = jax.make_jaxpr(fn, return_shape=True)(list(self.avals), g)
+            self._programs[key] = closed, jax.tree.structure(out)
+        return self._programs[key]
+
     def join(self, kept: list, known: dict[str, dict]):
-        """The stage's vjp again, from the stashed leaves `kept` and the `known` arrays: traced
-        on the leaves as the forward typed them, replayed on the stashed ones (`replay`)."""
+        """The stage's vjp again, from the stashed leaves `kept` and the `known` arrays: its
+        `program`, replayed on them (`replay`)."""
         it = iter(kept)
         leaves = [next(it) if r is None else known[r[0]][r[1]] for r in self.refs]
 
         def vjp(g):
-            fn = lambda leaves, g: jax.tree.unflatten(self.treedef, leaves)(g)
-            closed, out = jax.make_jaxpr(fn, return_shape=True)(list(self.avals), g)
-            return jax.tree.unflatten(jax.tree.structure(out), replay(closed, leaves + jax.tree.leaves(g)))
+            closed, out_tree = self.program(g)
+            return jax.tree.unflatten(out_tree, replay(closed, leaves + jax.tree.leaves(g)))
         return vjp

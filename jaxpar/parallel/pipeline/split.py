@@ -119,8 +119,6 @@ class _Cut:
         env = {**self.consts, **env}
         for i in which:
             eqn, ins, keys = self.nodes[i]
-            # an inlined remat body was traced with the layer's invariant inputs (the rope
-            # tables), which arrive here varying: stashed, they vary over `pipeline`
             args = [a.val if isinstance(a, Literal) else env[a] for a in ins]
             env.update(zip(keys, bind_lenient(eqn, args)))
         return [a.val if isinstance(a, Literal) else env[a] for a in outs]
@@ -169,9 +167,7 @@ class LayerSplit:
 
     def _cut(self, g) -> _Cut:
         if self.cut is None:
-            fn = lambda leaves, g: jax.tree.unflatten(self.stash.treedef, leaves)(g)
-            closed = jax.make_jaxpr(fn)(list(self.stash.avals), g)  # the leaves as the forward typed them
-            cut = _Cut.of(closed, len(self.names))
+            cut = _Cut.of(self.stash.program(g)[0], len(self.names))
             refs = dict(zip(cut.in_keys, self.stash.refs))  # the cotangent's keys have none
             kept_at = {k: i for i, k in enumerate(k for k, r in zip(cut.in_keys, self.stash.refs)
                                                   if r is None)}
