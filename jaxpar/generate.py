@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import make_single_device_sharding
 
 from jaxpar.checkpoint import CheckpointError, read_config, restore_params
 from jaxpar.config import Config, ConfigError
@@ -131,7 +131,7 @@ def placement(cfg: Config, devices: int = 1) -> Placement:
     local = jax.local_devices()
     model = model_def(cfg.model)
     if devices == 1:
-        one = SingleDeviceSharding(local[0])
+        one = make_single_device_sharding(local[0])
         return Placement(jax.tree.map(lambda _: one, model.shapes), one)
     plan = Plan(build_mesh(MeshConfig(data=1, tensor=devices), local[:devices]),
                 cfg.sharding.resolved_rules(), zero_stage=0)

@@ -71,7 +71,7 @@ def test_save_restore_other_mesh_and_keep_policy(tmp_path, devices):
 
 def test_checksum_is_layout_independent_and_catches_one_bit(devices):
     host, state = _state(devices)
-    moved = jax.device_put(host, jax.sharding.SingleDeviceSharding(devices[3]))
+    moved = jax.device_put(host, jax.sharding.make_single_device_sharding(devices[3]))
     assert ck.fingerprint(state) == ck.fingerprint(moved) == ck.fingerprint(host)
     flipped = jax.tree.map(np.copy, host)
     flipped["params"]["w"].view(np.uint32)[5, 7] ^= 1 << 3

@@ -62,7 +62,7 @@ def test_workers_do_not_change_the_output(prepared, tmp_path):
 def test_training_data_resumes_at_the_same_position(prepared):
     _, out = prepared
     cfg = DataConfig(source="bin", bin_path=str(out), bin_dtype="uint16")
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.make_single_device_sharding(jax.devices()[0])
     a = DataLoader(build_source(cfg, VOCAB, 7), 4, 16, sharding)
     [next(a) for _ in range(3)]
     b = DataLoader(build_source(cfg, VOCAB, 7), 4, 16, sharding)

@@ -98,8 +98,9 @@ def test_the_check_adds_no_reduction_of_its_own(devices):
 def test_unchecked_confines_the_exemption_to_grouped_collectives(devices):
     """Collectives over axis_index_groups (gradient_compression.scope: dcn) cannot be checked: a
     grouped psum is not even implemented under the check. `unchecked` runs just that reduction
-    unchecked and types its total as replicated, its state as per device."""
-    mesh = Mesh(np.asarray(devices), ("data",))
+    unchecked and types its total as replicated, its state as per device (its nested shard_map
+    goes manual over the spare size-1 axis `tensor` too)."""
+    mesh = Mesh(np.asarray(devices).reshape(8, 1), ("data", "tensor"))
     in_host, across = Group(("data",), 4, ((0, 1, 2, 3), (4, 5, 6, 7))), Group(("data",), 2, tuple(
         (i, i + 4) for i in range(4)))
 
@@ -114,7 +115,8 @@ def test_unchecked_confines_the_exemption_to_grouped_collectives(devices):
         return total, state
 
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P(), P("data"))))
+    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P(), P("data")),
+                                   axis_names={"data"}))
     total, state = fn(x, x)
     assert float(total[0]) == 28.0
     np.testing.assert_array_equal(state, 2 * np.arange(8.0))

@@ -86,7 +86,7 @@ def _verify_on_host(root: Path, step: int, meta: dict) -> tuple[str, str]:
     import orbax.checkpoint as ocp  # heavy (seconds): only --verify reads arrays
     state_dir = Path(root).absolute() / str(step) / "state"
     try:
-        dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        dev = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
         target = _saved_tree(state_dir, meta, dev)
         handler = ocp.PyTreeCheckpointHandler()
         try:

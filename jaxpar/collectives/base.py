@@ -84,17 +84,26 @@ def unchecked(fn, *args, replicated: tuple[str, ...]):
     (gradient_compression.scope: dcn, which splits `data` into in-host and across-host groups),
     where JAX cannot check replication: it types a grouped all_gather's output as still varying
     over the whole axis, and has no grouped psum under the check at all (NotImplementedError).
-    The exemption is this call alone: `fn` runs in a nested shard_map over the manual axes that
-    `args` vary over with check_vma=False (which moves no data and types every output as
-    replicated), and its outputs are typed again by hand: `total` as replicated over
-    `replicated` -- the caller's reduction sums over those axes' groups and then gathers over
-    the rest of each axis, so every device holds the same total -- and varying over the others;
-    `state` (error-feedback residuals: per device) as varying over all of them."""
+    The exemption is this call alone: `fn` runs in a nested shard_map with check_vma=False (which
+    moves no data and types every output as replicated), and its outputs are typed again by hand:
+    `total` as replicated over `replicated` -- the caller's reduction sums over those axes'
+    groups and then gathers over the rest of each axis, so every device holds the same total --
+    and varying over the others; `state` (error-feedback residuals: per device) as varying over
+    all of them. The nested shard_map also goes manual over one mesh axis of size 1 that is not
+    manual yet: jax 0.12.1 refuses a shard_map with no new axis to go manual over, and a size-1
+    axis splits nothing."""
     axes = frozenset().union(*map(varying_axes, jax.tree.leaves(args)))
     if not axes:
         return fn(*args)
-    total, state = jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=(P(),) * len(args),
-                                 out_specs=P(), axis_names=set(axes), check_vma=False)(*args)
+    mesh = jax.sharding.get_abstract_mesh()
+    spare = [a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] == 1]
+    if not spare:
+        raise ValueError(
+            "gradient_compression.scope=dcn needs one mesh axis of size 1 outside the step's manual "
+            f"axes (mesh {dict(mesh.shape)}, manual {sorted(mesh.manual_axes)}): set mesh.tensor, "
+            "mesh.pipeline or mesh.context to 1, or gradient_compression.scope=all")
+    total, state = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P(),
+                                 axis_names=set(axes) | {spare[0]}, check_vma=False)(*args)
     keep = tuple(sorted(axes - set(replicated)))
     return jax.tree.map(lambda x: vary(x, keep), total), jax.tree.map(lambda x: vary(x, sorted(axes)), state)
 

@@ -82,7 +82,7 @@ def load_checkpoint_params(src: str | Path) -> tuple[dict, ModelConfig, Path]:
         raise CheckpointError(f"{step_dir}: its saved config has no valid model section") from None
     cfg = make_config({"model": model.model_dump(mode="json")})
     shapes = ModelDef.from_factory(llama_model_factory(cfg)).shapes
-    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    dev = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32, sharding=dev), shapes)
     return restore_params(step_dir, abstract), model, step_dir
 

@@ -142,7 +142,7 @@ def load_params(hf_dir: str | Path, model_cfg, shardings: dict | None = None,
         sh = shardings
         for k in e.path:
             sh = sh[k] if sh is not None else None
-        sh = sh or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        sh = sh or jax.sharding.make_single_device_sharding(jax.local_devices()[0])
         flat[e.path] = jax.make_array_from_callback(
             e.full_shape, sh, lambda index, e=e: _part(src, e, index, dtype))
     return nest(flat)
