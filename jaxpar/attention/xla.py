@@ -2,8 +2,17 @@
 float32 [batch, heads, seq, seq] scores; segment ids become a boolean [batch, 1, seq, seq] mask."""
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+
+# softmax's custom jvp (jax's default from 0.12.1, a flag before): the backward keeps the
+# probabilities alone, not also exp(x - max) and its sum, one float32 [heads, keys] per query
+# token and layer less. Turned on here for every jax jaxpar supports, so that the residuals (and
+# the planner's memory model, planner/memory.py) are the same on each; `nullcontext` once jax
+# drops the flag.
+_softmax_custom_jvp = getattr(jax, "softmax_custom_jvp", lambda on: contextlib.nullcontext())
 
 
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
@@ -23,4 +32,5 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
         up = lambda x: x.astype(jnp.float32)
         return xla_attention(up(q), up(k), up(v), segment_ids, causal=causal).astype(q.dtype)
     mask = None if segment_ids is None else segment_mask(segment_ids)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
+    with _softmax_custom_jvp(True):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")

@@ -165,8 +165,13 @@ def attention_impl(cfg: Config) -> str:
 # sequence parallelism (d_tp of them either way: the layer scan's carry at data 4 x tensor 2
 # keeps 6 [tokens / t, D] leaves a layer with remat none and 2 with dots_saveable, the layer
 # vjp's D-sized leaves as STASHED counts them, where KEPT's t = 1 counts are 1 and 0).
+# "scores": float32 [heads, keys] per query token with float32 compute; "scores16" with 16-bit
+# compute where that differs. softmax's custom jvp (attention/xla.py turns it on) keeps the
+# probabilities alone: one [heads, keys] less than exp(x - max) beside them did with float32
+# (2.3 -> 1.3 measured; STASHED 2.125 -> 1.125), none less with bf16 (the float32 exp there
+# became the float32 probabilities beside the bf16 ones: 2026-12-06, jax 0.12.0.1 and 0.12.1).
 KEPT = {
-    "none": {"d": 1.0, "d_tp": 8.0, "heads": 3.0, "mlp": 6.0, "scores": 2.3},
+    "none": {"d": 1.0, "d_tp": 8.0, "heads": 3.0, "mlp": 6.0, "scores": 1.3, "scores16": 2.3},
     "dots_saveable": {"d": 0.0, "d_tp": 2.0, "heads": 1.0, "mlp": 2.0, "scores": 1.0},
     "full": {"d": 1.0, "d_tp": 1.0, "heads": 0.0, "mlp": 0.0, "scores": 0.0},
 }
@@ -179,7 +184,7 @@ KEPT["dots_with_no_batch_dims_saveable"] = KEPT["dots_saveable"]
 # the dots' outputs: 2 D (the attention and MLP output projections), q, k, v and the attention
 # output, 2 F (gate, up) and the scores; full the layer's input.
 STASHED = {
-    "none": {"d": 6.0, "heads": 2.0, "mlp": 6.0, "scores": 2.125},
+    "none": {"d": 6.0, "heads": 2.0, "mlp": 6.0, "scores": 1.125, "scores16": 2.125},
     "dots_saveable": {"d": 2.0, "heads": 2.0, "mlp": 2.0, "scores": 1.0},
     "full": {"d": 1.0, "heads": 0.0, "mlp": 0.0, "scores": 0.0},
 }
@@ -201,7 +206,8 @@ def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, 
     d_copies = k["d"] if t == 1 else k["d_tp"]
     heads = (ms.heads + ms.kv_heads) * ms.head_dim / t
     scores = ms.heads * seq / t if xla_attention else 0.0  # float32 [heads, keys] per query token
-    return c * (d_copies * d + k["heads"] * heads + k["mlp"] * ms.ffn / t) + 4 * k["scores"] * scores
+    kept_scores = k["scores"] if c == 4 else k.get("scores16", k["scores"])
+    return c * (d_copies * d + k["heads"] * heads + k["mlp"] * ms.ffn / t) + 4 * kept_scores * scores
 
 
 # zb_h1 under a train.remat policy: what W reads of the forward that the policy did not save, so
