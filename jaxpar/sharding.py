@@ -14,6 +14,7 @@ device's layers in the order it runs them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -47,11 +48,13 @@ class Plan:
     #: order); v > 1, v chunks per device round-robin (pipeline.virtual_stages, see layer_order)
     layer_rounds: int = 1
 
-    @property
+    # cached: a Plan is frozen, and the planner's search asks each of these hundreds of
+    # thousands of times
+    @functools.cached_property
     def batch_axes(self) -> tuple[str, ...]:
         return tuple(a for a in self.rules.get("batch", ()) if a in self.mesh.shape)
 
-    @property
+    @functools.cached_property
     def batch_size_divisor(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
@@ -69,7 +72,18 @@ class Plan:
 
     def spec(self, axes: tuple[str | None, ...], shape: tuple[int, ...] | None = None,
              use: Use = "param", name: str = "") -> P:
-        """The PartitionSpec of an array whose dims are named `axes`."""
+        """The PartitionSpec of an array whose dims are named `axes` (memoized per plan: it is
+        frozen, and the planner asks for the same specs again for every option on a mesh)."""
+        key = (tuple(axes), None if shape is None else tuple(shape), use)
+        memo = self.__dict__.get("_spec_memo")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_spec_memo", memo)
+        if key not in memo:
+            memo[key] = self._spec(axes, shape, use, name)
+        return memo[key]
+
+    def _spec(self, axes, shape, use: Use, name: str) -> P:
         used: set[str] = set()
         out = []
         for i, logical in enumerate(axes):
