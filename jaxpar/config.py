@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import os
 import re
 from pathlib import Path
@@ -217,6 +218,15 @@ DEFAULT_RULES: dict[str, list[str]] = {
 }
 
 
+@functools.lru_cache(maxsize=256)
+def _resolve_rules(sequence_parallel: bool, user: tuple) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    rules = {k: tuple(v) for k, v in DEFAULT_RULES.items()}
+    if sequence_parallel:
+        rules["residual_seq"] = ("tensor",)
+    rules.update(user)
+    return tuple(rules.items())
+
+
 class ShardingConfig(Strict):
     """How logical axes map to mesh axes, and what ZeRO shards over `fsdp`."""
 
@@ -247,11 +257,12 @@ class ShardingConfig(Strict):
         return out
 
     def resolved_rules(self) -> dict[str, tuple[str, ...]]:
-        rules = {k: tuple(v) for k, v in DEFAULT_RULES.items()}
-        if self.sequence_parallel is True:
-            rules["residual_seq"] = ("tensor",)
-        rules.update({k: tuple(v) for k, v in self.rules.items()})
-        return rules
+        return dict(self.resolved_rules_items())
+
+    def resolved_rules_items(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """resolved_rules as (name, axes) pairs, hashable (the planner's search asks for them
+        hundreds of thousands of times: resolved once per distinct setting)."""
+        return _resolve_rules(self.sequence_parallel is True, tuple((k, tuple(v)) for k, v in self.rules.items()))
 
 
 class OptimizerConfig(Strict):

@@ -78,9 +78,14 @@ class Layout:
 def abstract_plan(cfg: Config, layout: Layout) -> Plan:
     """The sharding plan of `layout` on a mesh without devices (shapes only: any cluster size);
     one object per mesh, rules and ZeRO stage (a search asks for each many times)."""
-    rules = tuple(sorted(cfg.sharding.resolved_rules().items()))
-    return _abstract_plan(tuple(layout.size(a) for a in MESH_AXES), rules, layout.zero_stage,
+    rules = _sorted(cfg.sharding.resolved_rules_items())
+    return _abstract_plan(tuple(layout.mesh.get(a, 1) for a in MESH_AXES), rules, layout.zero_stage,
                           cfg.sharding.replicated_tolerance)
+
+
+@functools.lru_cache(maxsize=256)
+def _sorted(items: tuple) -> tuple:
+    return tuple(sorted(items))
 
 
 @functools.lru_cache(maxsize=8192)

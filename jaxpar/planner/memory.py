@@ -48,6 +48,7 @@ after the logits are freed, so the total counts the larger of logits and grads +
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -95,6 +96,7 @@ GPU_KEPT = {
 GPU_KEPT["dots_saveable"] = GPU_KEPT["dots_with_no_batch_dims_saveable"]
 
 
+@functools.lru_cache(maxsize=64)
 def itemsize(name: str) -> int:
     return np.dtype(DTYPES[name]).itemsize
 
@@ -152,11 +154,16 @@ class ModelShape:
 
 
 def attention_impl(cfg: Config) -> str:
-    from jaxpar.attention import resolve
     m = cfg.model
-    return resolve(m.attention, platform="cpu", dtype=DTYPES[cfg.train.compute_dtype],
-                   seq_len=cfg.train.seq_len,
-                   head_dim=m.resolved_head_dim, threshold=m.attention_threshold)
+    return _attention_impl(m.attention, cfg.train.compute_dtype, cfg.train.seq_len, m.resolved_head_dim,
+                           m.attention_threshold)
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_impl(attention: str, compute_dtype: str, seq_len: int, head_dim: int, threshold) -> str:
+    from jaxpar.attention import resolve
+    return resolve(attention, platform="cpu", dtype=DTYPES[compute_dtype], seq_len=seq_len, head_dim=head_dim,
+                   threshold=threshold)
 
 
 # Measured on XLA:CPU (jax 0.12, f32, tests/test_planner.py's layouts) per token and layer:
