@@ -47,6 +47,7 @@ class Plan:
     #: how the `layers` dim is stored over its mesh axis: 1, contiguous blocks (the model's
     #: order); v > 1, v chunks per device round-robin (pipeline.virtual_stages, see layer_order)
     layer_rounds: int = 1
+    _spec_memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # cached: a Plan is frozen, and the planner's search asks each of these hundreds of
     # thousands of times
@@ -75,13 +76,9 @@ class Plan:
         """The PartitionSpec of an array whose dims are named `axes` (memoized per plan: it is
         frozen, and the planner asks for the same specs again for every option on a mesh)."""
         key = (tuple(axes), None if shape is None else tuple(shape), use)
-        memo = self.__dict__.get("_spec_memo")
-        if memo is None:
-            memo = {}
-            object.__setattr__(self, "_spec_memo", memo)
-        if key not in memo:
-            memo[key] = self._spec(axes, shape, use, name)
-        return memo[key]
+        if key not in self._spec_memo:
+            self._spec_memo[key] = self._spec(axes, shape, use, name)
+        return self._spec_memo[key]
 
     def _spec(self, axes, shape, use: Use, name: str) -> P:
         used: set[str] = set()
