@@ -262,7 +262,8 @@ class ShardingConfig(Strict):
     def resolved_rules_items(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """resolved_rules as (name, axes) pairs, hashable (the planner's search asks for them
         hundreds of thousands of times: resolved once per distinct setting)."""
-        return _resolve_rules(self.sequence_parallel is True, tuple((k, tuple(v)) for k, v in self.rules.items()))
+        rules = tuple((k, tuple(v)) for k, v in self.rules.items())
+        return _resolve_rules(self.sequence_parallel is True, rules)
 
 
 class OptimizerConfig(Strict):
