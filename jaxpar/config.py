@@ -862,7 +862,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found")
+            hint = ""
+            if "=" in str(path) and not str(path).endswith((".yaml", ".yml")):
+                hint = (f": the first argument is the config file and {str(path)!r} reads like an "
+                        f"override; give a YAML first (an empty one takes every default), e.g. "
+                        f"configs/quickstart.yaml {path}")
+            raise ConfigError(f"config file {str(p)!r} not found{hint}")
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:

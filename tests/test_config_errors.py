@@ -106,6 +106,12 @@ def test_missing_file():
         load_config("/nonexistent/x.yaml")
 
 
+def test_an_override_in_the_config_files_place_is_named(capsys):
+    assert main(["train", "model.preset=tiny", "train.steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert "'model.preset=tiny' reads like an override" in err and "configs/quickstart.yaml" in err
+
+
 def test_cli_prints_error_not_traceback(capsys):
     assert main(["train", "configs/quickstart.yaml", "train.stpes=3"]) == 2
     err = capsys.readouterr().err
