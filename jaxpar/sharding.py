@@ -59,13 +59,19 @@ class Plan:
     def batch_size_divisor(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
-    @property
-    def shards_params(self) -> bool:
-        """Whether the plan means to shard parameters at all (so replication is a mistake)."""
+    def means_to_shard(self, axes: tuple[str | None, ...]) -> bool:
+        """Whether the plan means to shard a parameter with these logical axes (so leaving it
+        whole is a mistake the replication check reports). ZeRO-3 over fsdp and tensor
+        parallelism split every weight; a pipeline splits the layer stacks (logical axis
+        `layers`: the embedding, head and final norm stay on every stage), expert parallelism the
+        experts (`expert`: attention and the router are replicated over the expert axis, as in
+        every expert-parallel design). By the logical names, not the rules: a rule emptied by
+        mistake must not make its params look meant to be whole."""
         shape = self.mesh.shape
-        if self.zero_stage >= 3 and shape.get(ZERO_AXIS, 1) > 1:
+        if (self.zero_stage >= 3 and shape.get(ZERO_AXIS, 1) > 1) or shape.get("tensor", 1) > 1:
             return True
-        return any(shape.get(a, 1) > 1 for a in ("tensor", "pipeline", "expert"))
+        return ((shape.get("pipeline", 1) > 1 and "layers" in axes)
+                or (shape.get("expert", 1) > 1 and "expert" in axes))
 
     def _keeps(self, use: Use) -> bool:
         """Whether `fsdp` sharding of a parameter dim is kept for this use."""
@@ -267,22 +273,25 @@ def vary_together(tree, *refs):
     return jax.tree.map(lambda x: vary(x, tuple(sorted(axes))), tree)
 
 
-def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...], int]],
+def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...], int, tuple]],
                       unnamed: frozenset[str] = frozenset()) -> dict:
     """Fail when more than the tolerance of parameter bytes is replicated against the plan.
 
-    `named_specs` maps a param path to (spec, shape, itemsize). Only meaningful when the plan
-    shards parameters at all (ZeRO-3 over fsdp, or tensor/pipeline/expert > 1); a param counts
-    as replicated when its spec shards none of its dims. `unnamed`: the params with no logical
-    axis names at all (no rule can reach them; the message says so).
+    `named_specs` maps a param path to (spec, shape, itemsize, logical axes). A param counts
+    against the plan when the plan means to shard it (Plan.means_to_shard) and its spec shards
+    none of its dims (no rule reaches it, or its dims do not divide). `unnamed`: the params with
+    no logical axis names at all (no rule can reach them; the message says so). The report's
+    `replicated_fraction` is every whole param's share (the banner's figure), intended or not.
     """
-    total = sum(math.prod(sh) * isz for _, sh, isz in named_specs.values())
-    sharded_any = plan.shards_params
-    repl = {n: math.prod(sh) * isz for n, (s, sh, isz) in named_specs.items()
-            if all(e is None for e in s)}
+    total = sum(math.prod(sh) * isz for _, sh, isz, _ in named_specs.values())
+    whole = {n: (math.prod(sh) * isz, axes) for n, (s, sh, isz, axes) in named_specs.items()
+             if all(e is None for e in s)}
+    repl = {n: b for n, (b, axes) in whole.items() if plan.means_to_shard(axes)}
     frac = sum(repl.values()) / max(total, 1)
-    report = {"param_bytes": total, "replicated_bytes": sum(repl.values()), "replicated_fraction": frac}
-    if sharded_any and frac > plan.replicated_tolerance:
+    report = {"param_bytes": total, "replicated_bytes": sum(b for b, _ in whole.values()),
+              "replicated_fraction": sum(b for b, _ in whole.values()) / max(total, 1),
+              "unintended_fraction": frac}
+    if frac > plan.replicated_tolerance:
         worst = sorted(repl.items(), key=lambda kv: -kv[1])[:5]
         listing = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for n, b in worst)
         bare = [n for n, _ in worst if n in unnamed]
@@ -291,10 +300,10 @@ def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...
                f"jaxpar.nn.param(rngs, shape, axes) (or nnx.Param(..., axes=...)), or" if bare else
                "Shard them with sharding.rules (their logical axes to mesh axes), or")
         raise ConfigError(
-            f"{frac:.1%} of parameter bytes are replicated, above sharding.replicated_tolerance="
-            f"{plan.replicated_tolerance}; largest: {listing}. {how} accept it with "
-            f"sharding.replicated_tolerance={math.ceil(frac * 100) / 100:.2f} (a fraction of the "
-            f"bytes, 0-1)"
+            f"{frac:.1%} of parameter bytes are replicated where this layout means to shard them, above "
+            f"sharding.replicated_tolerance={plan.replicated_tolerance}; largest: {listing}. {how} "
+            f"accept it with sharding.replicated_tolerance={math.ceil(frac * 100) / 100:.2f} (a fraction "
+            f"of the bytes, 0-1)"
         )
     return report
 

@@ -66,13 +66,29 @@ def test_dim_not_divisible_names_param(devices):
 def test_replicated_tolerance(devices):
     cfg = tiny_config("mesh.data=4", "mesh.tensor=2", "sharding.rules.mlp=[]", "sharding.rules.heads=[]",
                       "sharding.rules.kv_heads=[]", "sharding.rules.vocab=[]")
-    with pytest.raises(ConfigError, match=r"replicated, above sharding.replicated_tolerance=0.05; largest: ") as e:
+    with pytest.raises(ConfigError, match=r"replicated where this layout means to shard them, above sharding.replicated_tolerance=0.05; largest: ") as e:
         Trainer(cfg, devices=devices)
     # the error's own suggestion is a tolerance that accepts this layout
     suggested = re.search(r"accept it with (sharding.replicated_tolerance=[0-9.]+)", str(e.value)).group(1)
     Trainer(make_config({}, [*TINY, "mesh.data=4", "mesh.tensor=2", "sharding.rules.mlp=[]",
                              "sharding.rules.heads=[]", "sharding.rules.kv_heads=[]", "sharding.rules.vocab=[]",
                              suggested]), devices=devices, log=lambda s: None)
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2"],                       # embed, head per stage
+    ["model.preset=moe_tiny", "model.n_layers=2", "mesh.data=4", "mesh.expert=2"],  # attention per expert
+])
+def test_replication_by_design_is_accepted_and_a_lost_rule_is_not(devices, layout):
+    """Pipelines and expert parallelism leave some weights whole on purpose (14% and 19% of the
+    bytes here): the default tolerance accepts them and the banner still reports the share. The
+    same layouts with the rule that splits their params emptied are refused."""
+    t = Trainer(tiny_config(*layout), devices=devices, log=lambda s: None)
+    assert t.replication["replicated_fraction"] > 0.1 and t.replication["unintended_fraction"] == 0
+    lost = "sharding.rules.layers=[]" if "mesh.pipeline=2" in layout else "sharding.rules.expert=[]"
+    with pytest.raises(ConfigError, match=r"% of parameter bytes are replicated where this layout means to "
+                                          r"shard them.*largest: layers/"):
+        Trainer(tiny_config(*layout, lost), devices=devices, log=lambda s: None)
 
 
 def test_unknown_mesh_axis_in_rules():

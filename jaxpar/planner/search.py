@@ -115,7 +115,7 @@ def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None 
 
 def _replication(plan, model, itemsize: int) -> str | None:
     try:
-        named = {path: (plan.spec(ax, sds.shape, "param", path), sds.shape, itemsize)
+        named = {path: (plan.spec(ax, sds.shape, "param", path), sds.shape, itemsize, ax)
                  for path, (ax, sds) in _flat(model).items()}
         check_replication(plan, named)
     except ConfigError as e:

@@ -90,10 +90,11 @@ class Trainer:
                                    loss_scale=loss_scale_of(cfg.train))
         named = {}
         flat_specs = self.model.leaves_with_paths(self.spec.param_specs)
+        flat_axes = self.model.leaves_with_paths(self.model.axes)
         for path, sds in self.model.leaves_with_paths(self.model.shapes).items():
-            named[path] = (flat_specs[path], sds.shape, np.dtype(DTYPES[cfg.train.param_dtype]).itemsize)
-        unnamed = frozenset(path for path, ax in self.model.leaves_with_paths(self.model.axes).items()
-                            if all(a is None for a in ax))
+            named[path] = (flat_specs[path], sds.shape, np.dtype(DTYPES[cfg.train.param_dtype]).itemsize,
+                           flat_axes[path])
+        unnamed = frozenset(path for path, ax in flat_axes.items() if all(a is None for a in ax))
         self.replication = check_replication(self.plan, named, unnamed)
         self.loader = self._loader("train")
         # data.packing: the step reads the documents out of the rows by the source's end-of-text id
