@@ -8,10 +8,6 @@ from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.grad_util import run_steps
 
-# the tiny model's embedding and head (replicated over `pipeline`) are most of its bytes
-PIPELINE_TINY = ["sharding.replicated_tolerance=1.0"]
-
-
 def tokens_for(cfg, seed=0):
     rng = np.random.default_rng(seed)
     return rng.integers(0, cfg.model.vocab_size, (cfg.train.global_batch, cfg.train.seq_len + 1)).astype(np.int32)
@@ -26,7 +22,7 @@ def step_metrics(overrides, devices, seed=0) -> dict:
 
 @functools.cache
 def _step_metrics(overrides: tuple, devices: tuple, seed: int) -> dict:
-    cfg = tiny_config(*PIPELINE_TINY, *overrides)
+    cfg = tiny_config(*overrides)
     return run_steps(cfg, 1, list(devices), batches=[tokens_for(cfg, seed)])[0]
 
 
@@ -36,12 +32,12 @@ def loss_and_grads(overrides, devices, seed=0):
 
 
 def temp_bytes(overrides, devices) -> int:
-    trainer = Trainer(tiny_config(*PIPELINE_TINY, *overrides), devices=devices, log=lambda s: None)
+    trainer = Trainer(tiny_config(*overrides), devices=devices, log=lambda s: None)
     return trainer.compile().memory_analysis().temp_size_in_bytes
 
 
 def step_flops(overrides, devices) -> float:
-    trainer = Trainer(tiny_config(*PIPELINE_TINY, *overrides), devices=devices, log=lambda s: None)
+    trainer = Trainer(tiny_config(*overrides), devices=devices, log=lambda s: None)
     cost = trainer.compile().cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 

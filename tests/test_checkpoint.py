@@ -388,7 +388,7 @@ def test_interleaved_run_saves_canonical_layer_order_and_resumes_bit_exact(tmp_p
     import optax
 
     from jaxpar.train.trainer import Trainer
-    model = ["model.n_layers=4", "sharding.replicated_tolerance=1.0"]
+    model = ["model.n_layers=4"]
     tr = Trainer(tiny_config(*model, "mesh.data=1", "mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b",
                              "pipeline.virtual_stages=2", "train.grad_accum=2", "train.steps=2",
                              "checkpoint.every=1"), devices=devices[:2], log=lambda s: None)

@@ -72,7 +72,7 @@ def test_eval_loss_same_on_one_device_and_2x2x2(tmp_path, devices):
 @pytest.mark.parametrize("layout", [("mesh.data=2", "mesh.expert=2", "mesh.tensor=2"),
                                     ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
                                      "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
-                                     "model.n_layers=4", "sharding.replicated_tolerance=1.0"),
+                                     "model.n_layers=4"),
                                     ("mesh.data=2", "mesh.context=4")],
                          ids=["moe-expert", "pipeline-interleaved", "context-ring"])
 def test_eval_loss_other_layouts(tmp_path, devices, layout):

@@ -300,7 +300,7 @@ def test_model_param_count(extra):
 
 # --------------------------------------------------------------------------- training
 
-TRAIN = ["model.preset=moe_tiny", "sharding.replicated_tolerance=1.0", "train.seq_len=32",
+TRAIN = ["model.preset=moe_tiny", "train.seq_len=32",
          "train.global_batch=16", "optimizer.lr=3e-3", "optimizer.decay_steps=25",
          "optimizer.warmup_steps=5", "model.moe.capacity_factor=1.25", "train.log_every=1"]
 

@@ -7,7 +7,7 @@ import pytest
 
 from tests.pipeline_util import step_metrics
 
-MOE = ["model.preset=moe_tiny", "model.n_layers=2", "sharding.replicated_tolerance=1.0",
+MOE = ["model.preset=moe_tiny", "model.n_layers=2",
        "train.global_batch=8", "train.seq_len=16", "train.grad_accum=2", "model.moe.capacity_factor=1.0"]
 
 

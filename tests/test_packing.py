@@ -250,10 +250,9 @@ def per_document_reference(trainer: Trainer, params, rows: np.ndarray):
 LAYOUTS = {
     "one-device": ("mesh.data=1",),
     "data2-fsdp4-zero3-accum2": ("mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=3", "train.grad_accum=2"),
-    "data4-pipeline2": ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
-                        "sharding.replicated_tolerance=1.0"),
+    "data4-pipeline2": ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2"),
     "data4-pipeline2-reset-recompute": ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
-                                        "sharding.replicated_tolerance=1.0", "data.reset_positions=true",
+                                        "data.reset_positions=true",
                                         "pipeline.recompute=true"),
     "data2-fsdp2-tensor2-reset-chunked": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.reset_positions=true",
                                           "train.loss_chunk=8", "model.attention=blockwise",
@@ -300,7 +299,7 @@ def test_packed_moe_router_counts_only_real_tokens_and_equals_one_device(corpus,
     data=2 x expert=4 gives the one-device loss, router losses, dropped fraction and gradients
     (these statistics are per sequence, and a sequence is a whole row everywhere)."""
     path, _ = corpus
-    moe = ("model.preset=moe_tiny", "model.n_layers=2", "sharding.replicated_tolerance=1.0")
+    moe = ("model.preset=moe_tiny", "model.n_layers=2")
     one = Trainer(packed_cfg(path, *moe, "mesh.data=1"), devices=devices[:1], log=QUIET)
     rows = np.asarray(one.loader.batch(0))
     state = one.init_state()
@@ -497,5 +496,5 @@ def test_reset_positions_in_a_stashing_pipeline_is_one_error(corpus, devices):
     with pytest.raises(ConfigError, match=r"data.reset_positions=true with mesh.pipeline=2 needs "
                                           r"pipeline.recompute=true"):
         Trainer(packed_cfg(path, "mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
-                           "sharding.replicated_tolerance=1.0", "data.reset_positions=true"),
+                           "data.reset_positions=true"),
                 devices=devices, log=QUIET)

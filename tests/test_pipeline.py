@@ -74,12 +74,11 @@ def test_sequence_parallel_beside_a_pipeline(devices):
     over `tensor` along the sequence (temp memory below the same layout without it)."""
     from jaxpar.train.trainer import Trainer
     from tests.conftest import tiny_config
-    from tests.pipeline_util import PIPELINE_TINY
     layout = ["model.n_layers=4", "mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=4",
               "train.seq_len=256", "pipeline.recompute=false"]
     temp = {}
     for sp in (False, True):
-        t = Trainer(tiny_config(*PIPELINE_TINY, *layout, f"sharding.sequence_parallel={str(sp).lower()}"),
+        t = Trainer(tiny_config(*layout, f"sharding.sequence_parallel={str(sp).lower()}"),
                     devices=devices, log=lambda s: None)
         compiled = t.compile()
         temp[sp] = compiled.memory_analysis().temp_size_in_bytes

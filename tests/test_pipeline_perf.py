@@ -130,8 +130,7 @@ def test_ppermutes_send_only_real_values(devices):
     from jaxpar.parallel.pipeline.runner import send_patterns
     from jaxpar.train.trainer import Trainer
     from tests.conftest import tiny_config
-    from tests.pipeline_util import PIPELINE_TINY
-    trainer = Trainer(tiny_config(*PIPELINE_TINY, *P4), devices=devices[:4], log=lambda s: None)
+    trainer = Trainer(tiny_config(*P4), devices=devices[:4], log=lambda s: None)
     hlo = trainer.compile().as_text()
     found = [tuple(tuple(map(int, pair.split(","))) for pair in re.findall(r"\{(\d+,\d+)\}", pairs))
              for pairs in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)]
@@ -156,9 +155,8 @@ def test_interleaved_step_moves_no_weights(devices):
     from jaxpar.parallel.pipeline.runner import flatten, send_patterns
     from jaxpar.train.trainer import Trainer
     from tests.conftest import tiny_config
-    from tests.pipeline_util import PIPELINE_TINY
     p, v, m = 4, 2, 4
-    trainer = Trainer(tiny_config(*PIPELINE_TINY, "model.n_layers=8", "mesh.data=2", f"mesh.pipeline={p}",
+    trainer = Trainer(tiny_config("model.n_layers=8", "mesh.data=2", f"mesh.pipeline={p}",
                                   "pipeline.schedule=interleaved_1f1b", f"pipeline.virtual_stages={v}",
                                   f"train.grad_accum={m}"), devices=devices, log=lambda s: None)
     ops = collective_ops(trainer.compile().as_text())

@@ -122,8 +122,7 @@ def test_grad_accumulation_is_float32_under_bf16_params(devices):
 def test_pipeline_accumulates_in_float32_under_bf16_params(devices):
     """The pipeline timetable's loop (not a microbatch scan) carries the embedding's gradient
     accumulator in float32 too."""
-    cfg = tiny_config(*BF16, "mesh.data=1", "mesh.pipeline=2", "train.grad_accum=2",
-                      "sharding.replicated_tolerance=1.0")
+    cfg = tiny_config(*BF16, "mesh.data=1", "mesh.pipeline=2", "train.grad_accum=2")
     trainer = Trainer(cfg, devices=devices[:2], log=lambda s: None)
     t = cfg.train
     batch = jax.ShapeDtypeStruct((t.global_batch, t.seq_len + 1), jnp.int32, sharding=trainer.spec.batch_sharding)
