@@ -111,6 +111,7 @@ def mixed_opts(r: random.Random) -> list[str]:
 class Runner:
     def __init__(self, work: Path):
         self.work = work
+        work.mkdir(parents=True, exist_ok=True)
         (work / "empty.yaml").write_text("{}\n")
         self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                         XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
