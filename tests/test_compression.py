@@ -259,6 +259,23 @@ def test_dcn_scope_compresses_only_across_hosts(devices):
     assert losses[-1] < losses[0] - 0.05
 
 
+def test_dcn_scope_on_one_host_reduces_plainly_in_float32(devices):
+    """scope: dcn with no across-host part of `data` (data=1: fsdp 8, one process) compresses
+    nothing: the buckets without a compressed group reduce in float32, per layer in the backward
+    scan where the layer gradients arrive in bf16 (the compute dtype) -- summed as they came,
+    XLA:CPU aborted compiling the bf16 reduce-scatter (found by scripts/fuzz_train.py). The
+    gradients equal the plain reduction's (method none) on the same layout."""
+    from tests.grad_util import first_step_grads
+    layout = ["mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=1", "train.compute_dtype=bfloat16"]
+    got, got_norm = first_step_grads(tiny_config(*layout, "gradient_compression.method=fp16",
+                                                 "gradient_compression.scope=dcn"), devices)
+    want, want_norm = first_step_grads(tiny_config(*layout), devices)
+    assert _rel_err(got, want) < 1e-6 and abs(got_norm - want_norm) < 1e-6 * want_norm
+    with pytest.raises(ConfigError, match=r"dcn_size=2 does not divide mesh.data=1"):
+        Trainer(tiny_config(*layout, "gradient_compression.method=fp16", "gradient_compression.scope=dcn",
+                            "gradient_compression.dcn_size=2"), devices=devices, log=lambda s: None)
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match="unknown gradient compression method 'int4'.*valid: none"):
         tiny_config("gradient_compression.method=int4")

@@ -121,6 +121,10 @@ class GradientReducer(GradientSync):
         if sizes.get("pipeline", 1) > 1:
             raise ConfigError("gradient compression (and 1-bit Adam) with mesh.pipeline > 1 is not supported "
                               "yet; use gradient_compression.method=none with pipeline parallelism")
+        if cfg.scope == "dcn" and cfg.dcn_size is not None and sizes.get("data", 1) % cfg.dcn_size:
+            raise ConfigError(f"gradient_compression.dcn_size={cfg.dcn_size} does not divide mesh.data="
+                              f"{sizes.get('data', 1)}: the hosts split `data`; use a dcn_size that divides it "
+                              f"(or leave it unset: the number of processes along data)")
         super().__init__(plan, grad_specs, wire_dtype=wire_dtype)
         self.cfg = cfg
         self.comp = compressor or make_compressor(cfg)
@@ -329,7 +333,10 @@ class GradientReducer(GradientSync):
         return jax.tree.unflatten(self.treedef, leaves), comm
 
     def _psum(self, g, d: int | None, rest: tuple[str, ...]):
-        """g summed over `rest` in float32; reduce-scattered to its shard on dim d (ZeRO-1)."""
+        """g summed over `rest` in float32; reduce-scattered to its shard on dim d (ZeRO-1). A
+        layer's gradient tapped in the backward scan comes in the compute dtype: cast first (the
+        compressed buckets' packing does the same), or XLA:CPU aborts compiling a bf16 scatter."""
+        g = g.astype(jnp.float32)
         if d is None:
             return jax.lax.psum(g, rest)
         g = reduce_scatter(g, (ZERO_AXIS,), d)
