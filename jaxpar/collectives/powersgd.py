@@ -66,7 +66,11 @@ class PowerSGD(Compressor):
         approx = p @ jnp.swapaxes(q, -1, -2)
         if not self.error_feedback:
             return approx, {"q": q}
-        return approx, {"residual": v - p @ jnp.swapaxes(q_local, -1, -2), "q": q}
+        # this device's own approximation sits behind a barrier: with oneDNN dots (XLA:CPU, bf16
+        # compute) XLA fuses `v - dot` into the dot as a subtract taking the dot second, which
+        # oneDNN cannot build ("partition compile failed", then the process dies of SIGILL)
+        own = jax.lax.optimization_barrier(p @ jnp.swapaxes(q_local, -1, -2))
+        return approx, {"residual": v - own, "q": q}
 
 
 def init_q(batch: tuple[int, ...], n: int, rank: int, seed: int = 0) -> jax.Array:
