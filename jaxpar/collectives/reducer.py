@@ -123,8 +123,8 @@ class GradientReducer(GradientSync):
                               "yet; use gradient_compression.method=none with pipeline parallelism")
         if cfg.scope == "dcn" and cfg.dcn_size is not None and sizes.get("data", 1) % cfg.dcn_size:
             raise ConfigError(f"gradient_compression.dcn_size={cfg.dcn_size} does not divide mesh.data="
-                              f"{sizes.get('data', 1)}: the hosts split `data`; use a dcn_size that divides it "
-                              f"(or leave it unset: the number of processes along data)")
+                              f"{sizes.get('data', 1)}: the hosts split `data`; use a dcn_size that "
+                              f"divides it (or leave it unset: the number of processes along data)")
         super().__init__(plan, grad_specs, wire_dtype=wire_dtype)
         self.cfg = cfg
         self.comp = compressor or make_compressor(cfg)
