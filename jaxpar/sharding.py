@@ -288,9 +288,9 @@ def check_replication(plan: Plan, named_specs: dict[str, tuple[P, tuple[int, ...
              if all(e is None for e in s)}
     repl = {n: b for n, (b, axes) in whole.items() if plan.means_to_shard(axes)}
     frac = sum(repl.values()) / max(total, 1)
-    report = {"param_bytes": total, "replicated_bytes": sum(b for b, _ in whole.values()),
-              "replicated_fraction": sum(b for b, _ in whole.values()) / max(total, 1),
-              "unintended_fraction": frac}
+    whole_bytes = sum(b for b, _ in whole.values())
+    report = {"param_bytes": total, "replicated_bytes": whole_bytes,
+              "replicated_fraction": whole_bytes / max(total, 1), "unintended_fraction": frac}
     if frac > plan.replicated_tolerance:
         worst = sorted(repl.items(), key=lambda kv: -kv[1])[:5]
         listing = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for n, b in worst)

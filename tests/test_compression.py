@@ -1,6 +1,7 @@
 """Compressed gradient collectives: codecs against numpy, error feedback, HLO dtypes, training."""
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -279,7 +280,6 @@ def test_dcn_scope_on_one_host_reduces_plainly_in_float32(devices):
 def _subtracts_of_a_onednn_dot(hlo: str) -> list[str]:
     """The oneDNN dot fusions of a compiled step whose computation subtracts the dot from
     something (`x - dot`): a subtract post-op taking the dot second, which oneDNN cannot build."""
-    import re
     comps = set(re.findall(r"calls=%([\w.\-]+)[^\n]*onednn", hlo))
     found = []
     for name in comps:

@@ -67,8 +67,7 @@ def data_host_groups(mesh, dcn: int) -> tuple[list[list[int]], list[list[int]]]:
     With several processes the hosts are read from the devices; on one process (simulated) the
     across-host part is the major part of the axis, as jax's hybrid meshes lay it out."""
     size = mesh.shape["data"]
-    if size % dcn:
-        raise ConfigError(f"gradient_compression.dcn_size={dcn} does not divide mesh.data={size}")
+    check_dcn_size(size, dcn)
     names = list(mesh.axis_names)
     procs = [np.take(mesh.devices, j, axis=names.index("data")).flat[0].process_index for j in range(size)]
     if len(set(procs)) == dcn and dcn > 1:
@@ -81,6 +80,13 @@ def data_host_groups(mesh, dcn: int) -> tuple[list[list[int]], list[list[int]]]:
         raise ConfigError("gradient_compression scope 'dcn': hosts hold different numbers of data indices")
     across = [list(col) for col in zip(*in_host)]
     return in_host, across
+
+
+def check_dcn_size(data: int, dcn: int) -> None:
+    if data % dcn:
+        raise ConfigError(f"gradient_compression.dcn_size={dcn} does not divide mesh.data={data}: the hosts "
+                          f"split `data`; use a dcn_size that divides it (or leave it unset: the number of "
+                          f"processes along data)")
 
 
 def dcn_size_of(mesh, cfg) -> int:
@@ -121,10 +127,8 @@ class GradientReducer(GradientSync):
         if sizes.get("pipeline", 1) > 1:
             raise ConfigError("gradient compression (and 1-bit Adam) with mesh.pipeline > 1 is not supported "
                               "yet; use gradient_compression.method=none with pipeline parallelism")
-        if cfg.scope == "dcn" and cfg.dcn_size is not None and sizes.get("data", 1) % cfg.dcn_size:
-            raise ConfigError(f"gradient_compression.dcn_size={cfg.dcn_size} does not divide mesh.data="
-                              f"{sizes.get('data', 1)}: the hosts split `data`; use a dcn_size that "
-                              f"divides it (or leave it unset: the number of processes along data)")
+        if cfg.scope == "dcn" and cfg.dcn_size is not None:  # also where `data` has nothing to compress
+            check_dcn_size(sizes.get("data", 1), cfg.dcn_size)
         super().__init__(plan, grad_specs, wire_dtype=wire_dtype)
         self.cfg = cfg
         self.comp = compressor or make_compressor(cfg)
