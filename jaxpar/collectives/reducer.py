@@ -1,12 +1,16 @@
 """The compressed data-parallel gradient reduction of the train step.
 
-Inside the step's shard_map (manual over the batch axes) each device holds its local gradients,
-already reduce-scattered over `fsdp` where the ZeRO stage shards them. Every gradient still has
-to be summed over the rest of the batch axes ("rest": data, and fsdp/expert where not sharded).
+Inside the step's shard_map (manual over the batch axes, and pipeline and context where they
+split the step) each device holds its local gradients, already reduce-scattered over `fsdp` where
+the ZeRO stage shards them. Every gradient still has to be summed over the rest of those axes
+("rest": data, fsdp/expert where not sharded, context, and pipeline for the params every stage
+holds: embeddings, final norm, head). By default only the batch axes of rest are compressed:
+context and pipeline sums run in float32 beside them, like an in-host axis (the data-parallel
+traffic is what crosses the slow links; name them in gradient_compression.axes to compress them).
 The reducer groups the gradients by their rest axes into flat float32 buckets and, per bucket:
 
-    compressed group X = rest restricted to gradient_compression.axes (default: all of rest),
-                         or, with scope: dcn, the across-host part of `data` only
+    compressed group X = rest restricted to gradient_compression.axes (default: the batch axes
+                         of rest), or, with scope: dcn, the across-host part of `data` only
     outer groups U     = the rest of rest (in-host, fast links): float32
 
     bucket --psum_scatter over U--> 1/|U| of it --compressed sum over X--> --all_gather over U-->
@@ -15,12 +19,14 @@ so the slow link carries compressed bytes and the fast link float32. At ZeRO-1 t
 needs only its fsdp shard of each gradient: such leaves go to "scattered" buckets laid out so that
 each device's fsdp shard is what the reduction leaves on it when the last all-gather skips fsdp
 (reduce-scatter bytes, as without compression; see `_scattered_layout`). Error-feedback residuals
-live in the train state as state["comm"][bucket][name], one row per batch device (leading axis
-over the batch axes, sharded that way), so they are checkpointed and resumed with the rest.
+live in the train state as state["comm"][bucket][name], one row per device (leading axis over
+the batch axes, pipeline and context, sharded that way), so they are checkpointed and resumed
+with the rest.
 PowerSGD works per matrix instead of per bucket; non-matrix gradients are psum'd in float32.
 A method that works on any slice (Compressor.per_slice: all but PowerSGD) reduces each layer's
 slice of each stacked leaf as a bucket of its own, inside the backward layer scan, its residuals
-in state["comm"]["layers"] (see GradientReducer).
+in state["comm"]["layers"] (see GradientReducer); under a pipeline, whose stages run their layers
+in per-tick branches, every bucket is reduced after the timetable.
 """
 from __future__ import annotations
 
@@ -124,9 +130,6 @@ class GradientReducer(GradientSync):
     def __init__(self, cfg, plan, model, grad_specs, compressor: Compressor | None = None, wire_dtype=None,
                  layered: frozenset[tuple] = frozenset()):
         sizes = plan.mesh.shape
-        if sizes.get("pipeline", 1) > 1:
-            raise ConfigError("gradient compression (and 1-bit Adam) with mesh.pipeline > 1 is not supported "
-                              "yet; use gradient_compression.method=none with pipeline parallelism")
         if cfg.scope == "dcn" and cfg.dcn_size is not None:  # also where `data` has nothing to compress
             check_dcn_size(sizes.get("data", 1), cfg.dcn_size)
         super().__init__(plan, grad_specs, wire_dtype=wire_dtype)
@@ -134,29 +137,34 @@ class GradientReducer(GradientSync):
         self.comp = compressor or make_compressor(cfg)
         self.name = self.comp.name
         self.batch_axes = tuple(plan.batch_axes)
-        self.n_devices = math.prod(sizes[a] for a in self.batch_axes)
+        # every axis a gradient may be summed over: the batch axes, and pipeline (the stages' parts of
+        # the embeddings, norm and head) and context (partial sums of sequence chunks) where the step
+        # is manual over them; the per-device state has one row per device of all of them
+        self.sum_axes = (*self.batch_axes, *(a for a in ("pipeline", "context") if a in self.manual))
+        self.n_devices = math.prod(sizes[a] for a in self.sum_axes)
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(grad_specs, is_leaf=is_spec)
         self.paths = [".".join(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
         specs = [s for _, s in flat]
         shapes = jax.tree.leaves(model.shapes)
+        self.global_shapes = [sds.shape for sds in shapes]
         axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, tuple))
         self.local_shapes, self.layered, rests = [], [], []
         opt_specs = [plan.spec(ax, sds.shape, "opt") for sds, ax in zip(shapes, axes)]
         self.zero1: list[int | None] = []  # ZeRO-1: the local dim each leaf is scattered on over fsdp
         for spec, sds, ax, opt in zip(specs, shapes, axes, opt_specs):
             entries = (*spec, *(None,) * (len(sds.shape) - len(spec)))
-            local = tuple(d // math.prod(sizes[a] for a in entry_axes(e) if a in self.batch_axes)
+            local = tuple(d // math.prod(sizes[a] for a in entry_axes(e) if a in self.sum_axes)
                           for d, e in zip(sds.shape, entries))
             self.local_shapes.append(local)
             self.layered.append(bool(ax) and ax[0] == "layers")
-            done = {a for e in entries for a in entry_axes(e) if a in self.batch_axes}
-            rests.append(tuple(sorted(a for a in self.batch_axes if a not in done and sizes[a] > 1)))
+            done = {a for e in entries for a in entry_axes(e) if a in self.sum_axes}
+            rests.append(tuple(sorted(a for a in self.sum_axes if a not in done and sizes[a] > 1)))
             self.zero1.append(self._zero1_dim(entries, opt, local))
         final = [o if d is not None else s for s, o, d in zip(specs, opt_specs, self.zero1)]
         self.set_final_specs(jax.tree.unflatten(self.treedef, final))
         self._grad_out = flat_paths(self.grad_out)
         keys = [key_path(path) for path, _ in flat]
-        if self.comp.per_slice and not cfg.warmup_steps:
+        if self.comp.per_slice and not cfg.warmup_steps and sizes.get("pipeline", 1) == 1:
             self.in_scan = self.whole_layers(k for k, r in zip(keys, rests) if k in layered and r)
         self.layer_buckets = {k: self._bucket(rests[i], [i], self.zero1[i] is not None, layer=True)
                               for i, k in enumerate(keys) if k in self.in_scan}
@@ -204,7 +212,7 @@ class GradientReducer(GradientSync):
             if ici > 1:
                 outer.append(Group(("data",), ici, tuple(map(tuple, in_host))))
             return comp, outer
-        want = rest if cfg.axes is None else tuple(a for a in rest if a in cfg.axes)
+        want = tuple(a for a in rest if a in (self.batch_axes if cfg.axes is None else cfg.axes))
         if not want:
             return None, []
         other = tuple(a for a in rest if a not in want)
@@ -292,20 +300,34 @@ class GradientReducer(GradientSync):
         return bool(self._state_shapes())
 
     def comm_specs(self):
-        """PartitionSpecs of state["comm"]: a leading axis over the batch devices."""
-        axes = self.batch_axes
+        """PartitionSpecs of state["comm"]: a leading axis over the devices (`sum_axes`)."""
+        axes = self.sum_axes
         spec = P(axes if len(axes) > 1 else axes[0])
         return jax.tree.map(lambda _: spec, self._state_shapes(), is_leaf=lambda x: isinstance(x, tuple))
 
     def init_comm(self) -> dict:
-        """Zero residuals (and PowerSGD's first Q), one row per batch device."""
+        """Zero residuals (and PowerSGD's first Q), one row per device."""
         def make(path, shape):
             if path and getattr(path[-1], "key", None) == "q":
-                q = init_q(shape[:-2], shape[-2], shape[-1])
-                return jnp.broadcast_to(q, (self.n_devices, *shape))
+                return self._first_q(self.paths.index(path[-2].key), shape)
             return jnp.zeros((self.n_devices, *shape), jnp.float32)
         return jax.tree_util.tree_map_with_path(make, self._state_shapes(),
                                                 is_leaf=lambda x: isinstance(x, tuple))
+
+    def _first_q(self, i: int, shape: tuple[int, ...]) -> jax.Array:
+        """PowerSGD's first Q of leaf i, [devices, *shape], the same for every layout: a stack
+        split over pipeline stages gives each stage its own layers' slice of the whole stack's Q
+        (in the plan's stored order), as one device holding the stack would start."""
+        layers = self.global_shapes[i][0] if self.layered[i] else None
+        if layers is None or shape[0] == layers:
+            return jnp.broadcast_to(init_q(shape[:-2], shape[-2], shape[-1]), (self.n_devices, *shape))
+        q = init_q((layers,), shape[-2], shape[-1])[self.plan.layer_order(layers)]
+        sizes = self.plan.mesh.shape
+        stages = sizes["pipeline"]
+        before = math.prod(sizes[a] for a in self.sum_axes[:self.sum_axes.index("pipeline")])
+        after = self.n_devices // (before * stages)
+        q = jnp.broadcast_to(q.reshape(1, stages, 1, *shape), (before, stages, after, *shape))
+        return q.reshape(self.n_devices, *shape)
 
     # ------------------------------------------------------------------ the reduction
 
@@ -474,9 +496,20 @@ class GradientReducer(GradientSync):
             name = self.paths[i]
 
             def reduce(g, st):
-                for grp in b.outer:
-                    g = grp.psum(g)
-                return self.comp.reduce_matrix(g.reshape(bb, m, n).astype(jnp.float32), st, b.compressed)
+                g = g.reshape(bb, m, n).astype(jnp.float32)
+                if b.outer:  # float32 over the outer groups, then the factors over X
+                    # The state (one row per device) is the same on every member of an outer
+                    # group, but typed as varying over it (check_vma): the residual goes into the
+                    # sum in equal parts, and Q is averaged (a tiny [n, rank] all-reduce), or P,
+                    # Q and the result would count as varying over the group
+                    share = math.prod(grp.size for grp in b.outer)
+                    if "residual" in st:
+                        g = g + st["residual"] / share
+                        st = {**st, "residual": jnp.zeros(g.shape, g.dtype)}
+                    for grp in b.outer:
+                        g = grp.psum(g)
+                        st = {**st, "q": grp.psum(st["q"]) / grp.size}
+                return self.comp.reduce_matrix(g, st, b.compressed)
             approx, new[name] = reduce(g, st[name]) if b.checkable else \
                 unchecked(reduce, g, st[name], replicated=b.rest)
             out[i] = self._my_shard(approx.reshape(g.shape).astype(g.dtype), i)

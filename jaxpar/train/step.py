@@ -154,7 +154,8 @@ def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_acc
     # reductions skip those axes, so nothing could be checked as replicated over them.
     batch_busy = tuple(a for a in plan.batch_axes if sizes[a] > 1)
     busy_part = lambda s: plan.manual_part(s, batch_busy)
-    comm_specs = jax.tree.map(busy_part, sync.comm_specs(), is_leaf=is_spec)
+    # the sync's state: one row per device of every manual axis it sums over (pipeline, context)
+    comm_specs = jax.tree.map(lambda s: plan.manual_part(s, busy), sync.comm_specs(), is_leaf=is_spec)
     param_in = jax.tree.map(lambda s: plan.manual_part(s, tuple(manual)), spec.param_specs, is_leaf=is_spec)
     as_batch = documents or Batch
     rows = busy_part(plan.batch_spec())  # every field of the Batch is split by rows like the tokens
