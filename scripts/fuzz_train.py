@@ -3,6 +3,7 @@
     .venv/bin/python scripts/fuzz_train.py --mode equal --runs 60 --seed 1
     .venv/bin/python scripts/fuzz_train.py --mode mixed --runs 60 --seed 2
     .venv/bin/python scripts/fuzz_train.py --mode resume --runs 12 --seed 3
+    .venv/bin/python scripts/fuzz_train.py --mode mixed --mesh-axis pipeline --compressed --runs 20
 
 Modes (the tiny model with 4 layers, 3 or 4 steps, 8 forced CPU devices, one process a run):
   equal   float32 on a random layout (mesh, ZeRO stage, remat, accumulation, pipeline schedule and
@@ -61,8 +62,10 @@ def model_opts(r: random.Random) -> list[str]:
     return out
 
 
-def layout_opts(r: random.Random, moe: bool) -> list[str]:
-    mesh = r.choice(MOE if moe else DENSE)
+def layout_opts(r: random.Random, moe: bool, axis: str | None = None) -> list[str]:
+    """A random layout; `axis`: only meshes that split it (--mesh-axis)."""
+    meshes = [m for m in (MOE if moe else DENSE) if axis is None or f"{axis}=" in m]
+    mesh = r.choice(meshes or DENSE)
     size = lambda axis: int(mesh.split(f"{axis}=")[1].split()[0]) if f"{axis}=" in mesh else 1
     out = mesh.split() + [f"sharding.zero_stage={r.randint(0, 3)}",
                           f"train.remat={r.choice(['none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable'])}"]
@@ -91,11 +94,12 @@ def layout_opts(r: random.Random, moe: bool) -> list[str]:
     return out
 
 
-def mixed_opts(r: random.Random) -> list[str]:
+def mixed_opts(r: random.Random, compressed: bool = False) -> list[str]:
+    """Precision and sync options; `compressed`: always a compressed sync or 1-bit Adam."""
     out = [f"train.compute_dtype={r.choice(['float32', 'bfloat16', 'bfloat16', 'float16'])}"]
     if r.random() < 0.3:
         out += ["train.param_dtype=bfloat16"]
-    c = r.random()
+    c = r.random() * (0.45 if compressed else 1)
     if c < 0.35:
         out += [f"gradient_compression.method={r.choice(['bf16', 'fp16', 'int8', 'onebit', 'topk', 'powersgd'])}"]
         if r.random() < 0.3:
@@ -182,6 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--work", default=None, help="scratch dir (default: a temporary one, removed)")
+    ap.add_argument("--mesh-axis", default=None, help="draw only layouts that split this mesh axis "
+                    "(pipeline, context, tensor, expert, fsdp); MoE models fall back to the dense layouts")
+    ap.add_argument("--compressed", action="store_true", help="mixed mode: every run a compressed "
+                    "reduction or 1-bit Adam")
     args = ap.parse_args(argv)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="jaxpar-fuzz-")
     run = Runner(Path(args.work or tmp.name))
@@ -191,10 +199,11 @@ def main(argv=None) -> int:
         model = model_opts(r)
         moe = any("moe" in o for o in model)
         if args.mode == "resume":
-            jobs.append((f"r{i}", model, layout_opts(r, moe), layout_opts(r, moe)))
+            jobs.append((f"r{i}", model, layout_opts(r, moe, args.mesh_axis), layout_opts(r, moe, args.mesh_axis)))
         else:
-            extra = ["train.compute_dtype=float32"] if args.mode == "equal" else mixed_opts(r)
-            jobs.append((f"{args.mode}{i}", model, layout_opts(r, moe) + extra, None))
+            extra = (["train.compute_dtype=float32"] if args.mode == "equal"
+                     else mixed_opts(r, args.compressed))
+            jobs.append((f"{args.mode}{i}", model, layout_opts(r, moe, args.mesh_axis) + extra, None))
     counts: dict[str, int] = {}
     with cf.ThreadPoolExecutor(args.workers) as pool:
         refs = {}
