@@ -104,6 +104,7 @@ class OneBitAdamReducer(GradientReducer):
 
     def extra_inputs(self, state) -> dict:
         opt = state["opt_state"]
+        opt = getattr(opt, "inner", opt)  # 1-bit Adam on float32 masters (train/precision.with_masters)
         return {"mu": opt.mu, "count": opt.count}
 
     def extra_specs(self) -> dict:
