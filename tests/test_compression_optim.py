@@ -21,9 +21,13 @@ def train(overrides, devices, steps=None):
 
 
 def test_onebit_adam_needs_gradient_layout(devices):
-    with pytest.raises(ConfigError, match="onebit_adam keeps its momentum laid out like the gradients"):
+    with pytest.raises(ConfigError, match="onebit_adam keeps its momentum laid out like the whole gradients"):
         Trainer(tiny_config("mesh.data=1", "mesh.fsdp=8", "sharding.zero_stage=1", "optimizer.name=onebit_adam"),
                 devices=devices)
+    # a ZeRO stage over fsdp=1 shards nothing: allowed
+    t = Trainer(tiny_config("mesh.data=8", "sharding.zero_stage=3", "optimizer.name=onebit_adam"), devices=devices,
+                log=lambda s: None)
+    assert t.spec.sync.describe() == "data: onebit over data"
 
 
 # --------------------------------------------------------------------------- local SGD

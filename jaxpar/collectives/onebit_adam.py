@@ -16,7 +16,7 @@ Two pieces: `onebit_adam(...)`, the optax transformation (its state: count, mu, 
 `OneBitAdamReducer`, the step's data-parallel reduction, which looks at the optimizer state
 (count, mu) to pick the phase (a lax.cond inside the shard_map) and returns the reduced
 gradient during the warm-up and the new momentum after it. The optimizer state has to be laid
-out like the gradients (replicated over the batch axes): zero_stage 0, or 1 with fsdp = 1.
+out like the whole gradients (replicated over the batch axes): zero_stage 0, or fsdp = 1.
 """
 from __future__ import annotations
 
@@ -89,11 +89,11 @@ class OneBitAdamReducer(GradientReducer):
 
     def __init__(self, opt_cfg, compression, plan, model, grad_specs, wire_dtype=None):
         shape = plan.mesh.shape
-        if plan.zero_stage >= 2 or (plan.zero_stage == 1 and shape.get("fsdp", 1) > 1):
+        if plan.zero_stage >= 1 and shape.get("fsdp", 1) > 1:
             raise ConfigError(
-                f"optimizer.name=onebit_adam keeps its momentum laid out like the gradients: use "
-                f"sharding.zero_stage 0 (or 1 with mesh.fsdp=1), not zero_stage={plan.zero_stage} with "
-                f"fsdp={shape.get('fsdp', 1)}")
+                f"optimizer.name=onebit_adam keeps its momentum laid out like the whole gradients: use "
+                f"sharding.zero_stage=0 or mesh.fsdp=1 (where ZeRO shards nothing), not "
+                f"zero_stage={plan.zero_stage} with fsdp={shape.get('fsdp', 1)}")
         if compression.method not in ("none", "onebit"):
             raise ConfigError(
                 f"optimizer.name=onebit_adam compresses the momentum itself (1-bit); drop "
