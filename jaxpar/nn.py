@@ -50,6 +50,9 @@ class Context:
     # Attention (q, k, v, segment_ids, **options) -> out; None: jaxpar.attention.attention on this
     # device. A context-parallel strategy puts its ring / all-to-all attention here.
     attention: Callable[..., jax.Array] | None = None
+    # A per-sequence sum over this device's tokens -> the sum over the whole sequences: context
+    # parallelism puts its sum over the devices sharing each sequence here; None: the identity.
+    sequence_sum: Callable[[jax.Array], jax.Array] | None = None
     # The output head (x [b, s, d], w [d, vocab]) -> logits; None: the einsum. With
     # train.loss_chunk the step defers it (train/loss.DeferredLogits): the loss forms the logits a
     # chunk of tokens at a time, so the whole [b, s, vocab] never exists.
@@ -163,6 +166,14 @@ def experts(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable
         raise RuntimeError("jaxpar.nn.experts: no MoE dispatch; import jaxpar.parallel.expert (the local "
                            "one) or pass one in nn.Context(experts=...)")
     return fn(x, expert_idx, gates, ffn, ragged_ffn, **kw)
+
+
+def sequence_sum(x: jax.Array) -> jax.Array:
+    """x: a sum over the tokens of each sequence that this device holds (per-sequence statistics,
+    e.g. a router's expert fractions) -> the sum over the whole sequences. The identity but under
+    context parallelism, where each device holds part of every sequence."""
+    fn = _CTX.get().sequence_sum
+    return x if fn is None else fn(x)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,

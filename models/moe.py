@@ -66,11 +66,12 @@ def swiglu_ragged(rows: jax.Array, sizes: jax.Array, w_gate, w_up, w_down) -> ja
 
 def _sequence_mean(x: jax.Array, weights: jax.Array | None) -> jax.Array:
     """x [G, S, ...] -> [G, ...]: each sequence's mean over its tokens, weighted by `weights` [G, S]
-    (a sequence with no weight gives 0)."""
+    (a sequence with no weight gives 0). The sums go through nn.sequence_sum: where a device
+    holds part of each sequence (context parallelism) the mean is still the whole sequence's."""
     if weights is None:
-        return x.mean(axis=1)
+        return nn.sequence_sum(x.sum(axis=1)) / nn.sequence_sum(jnp.float32(x.shape[1]))
     w = weights.astype(jnp.float32).reshape(*weights.shape, *(1,) * (x.ndim - 2))
-    return (x * w).sum(axis=1) / jnp.maximum(w.sum(axis=1), 1e-30)
+    return nn.sequence_sum((x * w).sum(axis=1)) / jnp.maximum(nn.sequence_sum(w.sum(axis=1)), 1e-30)
 
 
 def expert_fraction(expert_idx: jax.Array, num_experts: int, weights: jax.Array | None = None) -> jax.Array:
@@ -91,7 +92,7 @@ def z_loss(logits: jax.Array, weights: jax.Array | None = None) -> jax.Array:
     """Mean of logsumexp(logits)^2 over tokens; with `weights` [G, S] the weighted mean per sequence,
     averaged over sequences."""
     z2 = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
-    return z2.mean() if weights is None else _sequence_mean(z2, weights).mean()
+    return _sequence_mean(z2, weights).mean()
 
 
 class MoE(nnx.Module):
@@ -145,8 +146,7 @@ class MoE(nnx.Module):
             a = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
             y = y + nn.project("bsf,fd->bsd", a, self.shared_down[...])
         w = token_weights
-        load = (jax.nn.one_hot(idx, m.num_experts, dtype=jnp.float32).mean(axis=(0, 1, 2)) if w is None
-                else expert_fraction(idx, m.num_experts, w).mean(0))
+        load = expert_fraction(idx, m.num_experts, w).mean(0)
         aux = {"lb": load_balance_loss(probs, idx, m.num_experts, w), "z": z_loss(logits, w),
                "dropped": dropped, "load": load}
         return y, aux

@@ -46,7 +46,7 @@ DENSE = ["mesh.data=8", "mesh.data=1 mesh.fsdp=8", "mesh.data=2 mesh.fsdp=2 mesh
          "mesh.data=2 mesh.fsdp=4", "mesh.data=1 mesh.pipeline=2 mesh.fsdp=2 mesh.tensor=2"]
 MOE = ["mesh.data=8", "mesh.data=2 mesh.expert=4", "mesh.data=1 mesh.expert=2 mesh.tensor=2 mesh.fsdp=2",
        "mesh.data=2 mesh.expert=2 mesh.pipeline=2", "mesh.data=1 mesh.fsdp=4 mesh.expert=2",
-       "mesh.data=4 mesh.expert=2"]
+       "mesh.data=4 mesh.expert=2", "mesh.data=2 mesh.context=2 mesh.expert=2", "mesh.data=4 mesh.context=2"]
 LOSS_TOL, NORM_TOL = 1e-4, 1e-3
 MIXED_TOL = 3e-2  # 16-bit compute and params against float32, before any update
 

@@ -14,6 +14,8 @@ from tests.grad_util import global_norm, run_steps
 STEPS = 2
 DENSE = ["mesh.data=1"]
 MOE = ["model.preset=moe_tiny", "model.n_layers=2", "mesh.data=1"]
+# dropless, with router losses weighty enough that their gradients show beside the LM loss's
+MOE_DROPLESS = [*MOE, "model.moe.dispatch=dropless", "model.moe.load_balance_coef=1.0", "model.moe.z_loss_coef=0.1"]
 WARM = "gradient_compression.warmup_steps=2"  # compressed methods reduce in float32 for 2 steps
 
 LAYOUTS = {  # name: (reference, overrides)
@@ -46,6 +48,9 @@ LAYOUTS = {  # name: (reference, overrides)
                                             "gradient_compression.method=int8", WARM]),  # reduce-scattered
     "moe-dp2-ep4": (MOE, ["mesh.data=2", "mesh.expert=4"]),
     "moe-fsdp2-ep2-tp2-zero3": (MOE, ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "sharding.zero_stage=3"]),
+    # each device holds half of every sequence: the router's per-sequence statistics (load
+    # balance, z loss, load) are summed over context (nn.sequence_sum) before they are divided
+    "moe-dropless-dp2-cp2-ep2": (MOE_DROPLESS, ["mesh.data=2", "mesh.context=2", "mesh.expert=2"]),
 }
 # Pipelines: tests/test_pipeline.py compares every schedule's gradients the same way; local SGD
 # with sync_every 1 equals plain data parallelism bit for bit (tests/test_numerics.py).

@@ -330,6 +330,30 @@ def test_packed_moe_router_counts_only_real_tokens_and_equals_one_device(corpus,
     assert max(jax.tree.leaves(errs)) < 2e-5, errs
 
 
+def test_packed_dropless_moe_beside_context_equals_one_device(corpus, devices):
+    """Packed rows split over context=2 (all_to_all) beside data=2 x expert=2, dropless MoE: each
+    device routes its half of every row, the router's weighted per-sequence statistics are summed
+    over context before they are divided (nn.sequence_sum), so the loss, router losses, load and
+    gradients are the one-device run's (the router losses weighted up so that their gradients
+    show beside the LM loss's)."""
+    path, _ = corpus
+    moe = ("model.preset=moe_tiny", "model.n_layers=2", "model.moe.dispatch=dropless",
+           "model.moe.load_balance_coef=1.0", "model.moe.z_loss_coef=0.1")
+    one = Trainer(packed_cfg(path, *moe, "mesh.data=1"), devices=devices[:1], log=QUIET)
+    rows = np.asarray(one.loader.batch(0))
+    _, ref = one.make_step(return_grads=True)(one.init_state(), place_batch(one, rows))
+    ref = to_numpy(ref)
+    cp = Trainer(packed_cfg(path, *moe, "mesh.data=2", "mesh.context=2", "mesh.expert=2",
+                            "context.strategy=all_to_all"), devices=devices, log=QUIET)
+    _, got = cp.make_step(return_grads=True)(cp.init_state(), place_batch(cp, rows))
+    got = to_numpy(got)
+    for key in ("loss", "aux_loss", "moe/load_balance_loss", "moe/z_loss", "moe/load/0"):
+        assert float(got[key]) == pytest.approx(float(ref[key]), rel=1e-5), key
+    errs = jax.tree.map(lambda g, r: float(np.abs(g - r).max() / (np.abs(r).max() + 1e-12)),
+                        got["grads"], ref["grads"])
+    assert max(jax.tree.leaves(errs)) < 2e-5, errs
+
+
 def test_local_sgd_replicas_each_get_the_mean_over_their_own_documents(corpus, devices, reference):
     """Under local SGD each replica's gradient is the mean over the targets of its own rows (its
     count psum'd within the replica only)."""

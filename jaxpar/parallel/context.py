@@ -134,6 +134,13 @@ class ContextParallel:
         """The [b, seq + 1] rows of a batch the loader laid out in `columns` (the identity at size 1)."""
         return tokens if self.size == 1 else rows_of_columns(tokens, self.layout, self.size)
 
+    def sequence_sum(self) -> Callable | None:
+        """The nn.Context.sequence_sum hook: a per-sequence sum over this device's tokens, summed
+        over the devices that share the sequences (None: the whole sequences are here)."""
+        if self.size == 1:
+            return None
+        return lambda x: jax.lax.psum(x, AXIS)
+
     def attention(self) -> Callable | None:
         """The nn.Context.attention hook (None: attention on this device)."""
         if self.size == 1:
@@ -189,11 +196,12 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
             f"its replicas step alone over `data`, and the partial gradients of a sequence's chunks "
             f"would need a sum over context every step; use local_sgd.sync_every=1 (gradient "
             f"compression and 1-bit Adam do compose with context)")
-    if check_model and m.moe.num_experts:
+    if check_model and m.moe.num_experts and m.moe.dispatch == "capacity":
         raise ConfigError(
-            f"mesh.context={c} with a mixture-of-experts model (model.moe.num_experts="
-            f"{m.moe.num_experts}) is not supported: expert capacity and the router losses are "
-            f"statistics of whole sequences, which no device holds; use mesh.context=1")
+            f"mesh.context={c} with model.moe.dispatch=capacity: capacity drops a sequence's "
+            f"overflowing assignments in position order across the whole sequence, which no device "
+            f"holds; use model.moe.dispatch=dropless (the router losses and load are summed over "
+            f"context), or mesh.context=1")
     if ctx.strategy == "ring" and m.attention == "cudnn":
         raise ConfigError(
             f"model.attention=cudnn does not run inside context.strategy=ring (mesh.context={c}): the "

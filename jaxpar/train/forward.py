@@ -51,7 +51,7 @@ def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dt
                      experts=expert_hook(plan, manual),
                      layer_params=lambda st: prepare(st, stacked=True), remat=remat,
                      never_save=(GATHERED,) if plan.zero_stage >= 3 else (), head=head,
-                     attention=cp.attention())
+                     attention=cp.attention(), sequence_sum=cp.sequence_sum())
     stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
     prepare_top = lambda st: _prepare_top(st, prepare, stacked)
 
