@@ -16,8 +16,10 @@ Inside the step's shard_map, gradients are summed over the batch axes except `da
 expert still reduce within a replica): each replica's gradient is the mean over its own share of
 the batch (what one device would compute on those rows); clipping is per replica and the logged
 grad_norm is the root mean square of the replicas' norms. Needs mesh.data > 1, parameters
-not sharded over `data`, no gradient compression, AdamW, no pipeline. `LocalSGD` is the gradient
-sync (jaxpar/parallel/sync.py) of such a run.
+not sharded over `data`, no gradient compression, AdamW, no pipeline. Under bf16 params with
+float32 masters (train/precision.py) the replicas' masters are what is averaged and restarted
+from, and the nesterov outer step keeps float32 weights (state["local"]["outer_master"]).
+`LocalSGD` is the gradient sync (jaxpar/parallel/sync.py) of such a run.
 """
 from __future__ import annotations
 
@@ -79,16 +81,22 @@ class LocalSGD(GradientSync):
         local = {"params": self.replica_shardings(shardings["params"])}
         if self.nesterov:
             local["momentum"] = shardings["params"]
+            if _masters(shardings["opt_state"]) is not None:
+                local["outer_master"] = shardings["params"]
         return {**shardings, "opt_state": self.replica_shardings(shardings["opt_state"]), "local": local}
 
     def init_state(self, state: dict, tx) -> dict:
-        """Every replica starts from the params, with its own inner optimizer state."""
+        """Every replica starts from the params, with its own copy of the fresh optimizer state
+        (which holds the float32 masters, as initialised, under bf16 params)."""
         params = state["params"]
-        lp = jax.tree.map(lambda p: jnp.broadcast_to(p, (self.replicas, *p.shape)), params)
-        local = {"params": lp}
+        stack = lambda x: jnp.broadcast_to(x, (self.replicas, *jnp.shape(x)))
+        local = {"params": jax.tree.map(stack, params)}
         if self.nesterov:
             local["momentum"] = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return {**state, "opt_state": jax.vmap(tx.init)(lp), "local": local}
+            masters = _masters(state["opt_state"])
+            if masters is not None:  # the outer step's own float32 weights
+                local["outer_master"] = masters
+        return {**state, "opt_state": jax.tree.map(stack, state["opt_state"]), "local": local}
 
     def params_in(self, state):
         return state["local"]["params"]
@@ -119,6 +127,7 @@ class LocalSGD(GradientSync):
         def reduce(g, spec):
             done = {a for _, names in sharded_dims(spec, self.manual) for a in names}
             rest = tuple(sorted(a for a in within if a not in done and sizes[a] > 1))
+            g = g if self.wire_dtype is None else g.astype(self.wire_dtype)  # train.grad_reduce_dtype
             return jax.lax.psum(g, rest) if rest else g
         return jax.tree.map(reduce, grads, self.grad_specs, is_leaf=is_spec), comm
 
@@ -129,32 +138,47 @@ class LocalSGD(GradientSync):
         return jnp.sqrt(jnp.mean(sq))
 
     def apply(self, tx, grads, comm, state):
-        """Each replica's optimizer step; every `sync_every` steps the outer step and a restart."""
+        """Each replica's optimizer step; every `sync_every` steps the outer step and a restart.
+        With float32 masters under bf16 params (train/precision.with_masters) the masters are
+        what is averaged and what the replicas restart from (the params their bf16 cast), and
+        the nesterov outer step keeps its own float32 weights (local["outer_master"])."""
         lp = state["local"]["params"]
         updates, opt_state = jax.vmap(tx.update)(grads, state["opt_state"], lp)
         lp = optax.apply_updates(lp, updates)
         outer = state["params"]
-        mom = state["local"].get("momentum")
+        local = dict(state["local"])
         cfg = self.cfg
+        f32 = lambda x: x.astype(jnp.float32)
 
         def sync(args):
-            lp, outer, mom = args
-            avg = jax.tree.map(lambda x: x.astype(jnp.float32).mean(0), lp)  # the all-reduce over data
+            lp, outer, local, opt_state = args
+            masters = _masters(opt_state)
+            src = lp if masters is None else masters
+            avg = jax.tree.map(lambda x: f32(x).mean(0), src)  # the all-reduce over data
             if self.nesterov:
-                delta = jax.tree.map(lambda o, a: o.astype(jnp.float32) - a, outer, avg)
-                mom = jax.tree.map(lambda m, d: cfg.outer_momentum * m + d, mom, delta)
-                new = jax.tree.map(
-                    lambda o, d, m: (o - cfg.outer_lr * (d + cfg.outer_momentum * m)).astype(o.dtype),
-                    outer, delta, mom)
+                weights = jax.tree.map(f32, local.get("outer_master", outer))
+                delta = jax.tree.map(lambda o, a: o - a, weights, avg)
+                mom = jax.tree.map(lambda m, d: cfg.outer_momentum * m + d, local["momentum"], delta)
+                new = jax.tree.map(lambda o, d, m: o - cfg.outer_lr * (d + cfg.outer_momentum * m),
+                                   weights, delta, mom)
+                local = {**local, "momentum": mom}
+                if "outer_master" in local:
+                    local["outer_master"] = new
             else:
-                new = jax.tree.map(lambda o, a: a.astype(o.dtype), outer, avg)
-            lp = jax.tree.map(lambda p, n: jnp.broadcast_to(n, p.shape).astype(p.dtype), lp, new)
-            return lp, new, mom
+                new = avg
+            outer = jax.tree.map(lambda o, n: n.astype(o.dtype), outer, new)
+            restart = lambda p, n: jnp.broadcast_to(n, p.shape).astype(p.dtype)
+            lp = jax.tree.map(restart, lp, outer)
+            if masters is not None:
+                opt_state = opt_state._replace(master=jax.tree.map(restart, masters, new))
+            return lp, outer, local, opt_state
 
-        lp, outer, mom = jax.lax.cond((state["step"] + 1) % self.every == 0, sync, lambda a: a,
-                                      (lp, outer, mom))
-        local = {"params": lp}
-        if self.nesterov:
-            local["momentum"] = mom
+        lp, outer, local, opt_state = jax.lax.cond((state["step"] + 1) % self.every == 0, sync, lambda a: a,
+                                                   (lp, outer, local, opt_state))
         kept = {k: v for k, v in state.items() if k != "step"}
-        return {**kept, "params": outer, "opt_state": opt_state, "local": local}
+        return {**kept, "params": outer, "opt_state": opt_state, "local": {**local, "params": lp}}
+
+
+def _masters(opt_state):
+    """The float32 master weights of an optimizer state run under with_masters (None: none)."""
+    return getattr(opt_state, "master", None)

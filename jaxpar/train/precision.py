@@ -68,13 +68,6 @@ def check_precision(cfg: Config) -> None:
             "train.master_dtype='bfloat16' is narrower than train.param_dtype='float32': master weights "
             "are the optimizer's higher-precision copy of the params; use master_dtype float32 (the "
             "default; with float32 params there is no extra copy)")
-    if has_masters(t) and cfg.local_sgd.sync_every > 1:
-        raise ConfigError(
-            f"train.master_dtype='{t.master_dtype}' with train.param_dtype='{t.param_dtype}' (float32 "
-            f"master weights) is not supported with local_sgd.sync_every={cfg.local_sgd.sync_every} "
-            f"yet: its replicas step their own params and average them at a sync, where the masters "
-            f"would have to be averaged instead; use train.param_dtype=float32, or "
-            f"train.master_dtype=bfloat16 (pure bf16, no masters)")
     if t.grad_reduce_dtype == "bfloat16":
         method = cfg.gradient_compression.method
         other = f"gradient_compression.method='{method}'" if method != "none" else _steps_itself(cfg)
