@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigError
 from jaxpar.metrics import collective_ops
-from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
 from tests.grad_util import canonical_grads, grad_trainer, run_steps, to_numpy
 from tests.test_layout_grads import TOL, reference, relative_errors
@@ -122,8 +120,3 @@ def test_int8_beside_a_pipeline_sends_int8_and_keeps_residuals_per_stage(devices
     worker = np.asarray(state["comm"]["data"]["worker"])  # the stacked layers' bucket: per stage
     assert not np.array_equal(worker[0], worker[1])
 
-
-def test_local_sgd_beside_context_is_refused(devices):
-    with pytest.raises(ConfigError, match=r"mesh.context=2 does not compose with local_sgd.sync_every=2"):
-        Trainer(tiny_config("mesh.data=4", "mesh.context=2", "local_sgd.sync_every=2"), devices=devices,
-                log=lambda s: None)

@@ -94,3 +94,24 @@ def test_local_sgd_config_errors(devices):
         Trainer(tiny_config(*DP, "local_sgd.sync_every=2", "gradient_compression.method=int8"), devices=devices)
     with pytest.raises(ConfigError, match="mesh.data > 1"):
         Trainer(tiny_config("mesh.data=1", "mesh.fsdp=8", "local_sgd.sync_every=2"), devices=devices)
+    with pytest.raises(ConfigError, match="local_sgd.sync_every=2 with pipeline.virtual_stages=2"):
+        Trainer(tiny_config("mesh.data=4", "mesh.pipeline=2", "model.n_layers=4", "train.grad_accum=2",
+                            "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+                            "local_sgd.sync_every=2"), devices=devices)
+
+
+@pytest.mark.parametrize("beside", [["mesh.context=2"], ["mesh.pipeline=2", "pipeline.schedule=1f1b"]])
+def test_local_sgd_replicas_sum_context_and_pipeline_within(beside, devices):
+    """Local SGD over data=4 with context=2 (each replica's sequences split over two devices) or
+    a 2-stage pipeline beside it equals data=4 alone on 4 devices: the replicas' step-1
+    gradients (each replica's sum over its context devices / stages) and the losses of 4 steps,
+    two syncs among them."""
+    from tests.grad_util import run_steps
+    from tests.test_layout_grads import relative_errors
+    base = ["local_sgd.sync_every=2", "mesh.data=4", "train.grad_accum=2"]
+    ref = run_steps(tiny_config(*base), 4, devices[:4])
+    got = run_steps(tiny_config(*base, *beside), 4, devices)
+    leaf_err, norm_err = relative_errors(got[0], ref[0])
+    assert leaf_err < 1e-5 and norm_err < 1e-5, (leaf_err, norm_err)
+    assert got[0]["grads"]["embed"].shape[0] == 4  # one gradient per replica
+    np.testing.assert_allclose([g["loss"] for g in got], [r["loss"] for r in ref], rtol=1e-5)

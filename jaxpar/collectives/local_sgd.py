@@ -16,7 +16,8 @@ Inside the step's shard_map, gradients are summed over the batch axes except `da
 expert still reduce within a replica): each replica's gradient is the mean over its own share of
 the batch (what one device would compute on those rows); clipping is per replica and the logged
 grad_norm is the root mean square of the replicas' norms. Needs mesh.data > 1, parameters
-not sharded over `data`, no gradient compression, AdamW, no pipeline. Under bf16 params with
+not sharded over `data`, no gradient compression, AdamW, no interleaved pipeline (a pipeline's
+stages and context's sequence chunks are summed within each replica, like fsdp). Under bf16 params with
 float32 masters (train/precision.py) the replicas' masters are what is averaged and restarted
 from, and the nesterov outer step keeps float32 weights (state["local"]["outer_master"]).
 `LocalSGD` is the gradient sync (jaxpar/parallel/sync.py) of such a run.
@@ -52,8 +53,12 @@ class LocalSGD(GradientSync):
                               "mesh.data > 1")
         if AXIS not in plan.batch_axes:
             raise ConfigError("local_sgd needs `data` among the batch axes (sharding.rules.batch)")
-        if shape.get("pipeline", 1) > 1:
-            raise ConfigError("local_sgd with mesh.pipeline > 1 is not supported")
+        if plan.interleaves_layers:
+            raise ConfigError(
+                f"local_sgd.sync_every={cfg.sync_every} with pipeline.virtual_stages="
+                f"{plan.layer_rounds} (interleaved_1f1b) is not supported yet: the replicas' params and "
+                f"optimizer states are stacked on a leading replica dim, which the interleaved layer "
+                f"order's checkpoint reordering does not know; use pipeline.schedule 1f1b, gpipe or zb_h1")
         if compression is not None and compression.method != "none":
             raise ConfigError(f"local_sgd syncs parameters, not gradients: drop gradient_compression.method="
                               f"{compression.method!r}")

@@ -190,12 +190,6 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
             f"mesh.context={c} does not compose with mesh.pipeline={mesh_shape['pipeline']} yet: the "
             f"pipeline runner feeds each stage whole microbatches (no sequence split, no global "
             f"positions); use mesh.pipeline=1 or mesh.context=1")
-    if cfg.local_sgd.sync_every > 1:
-        raise ConfigError(
-            f"mesh.context={c} does not compose with local_sgd.sync_every={cfg.local_sgd.sync_every}: "
-            f"its replicas step alone over `data`, and the partial gradients of a sequence's chunks "
-            f"would need a sum over context every step; use local_sgd.sync_every=1 (gradient "
-            f"compression and 1-bit Adam do compose with context)")
     if check_model and m.moe.num_experts and m.moe.dispatch == "capacity":
         raise ConfigError(
             f"mesh.context={c} with model.moe.dispatch=capacity: capacity drops a sequence's "
