@@ -15,7 +15,8 @@ Modes (the tiny model with 4 layers, 3 or 4 steps, 8 forced CPU devices, one pro
           step-1 loss (and grad norm, unless the wire is lossier than 16 bits) within 3e-2 of
           the float32 data=8 run
   resume  save at step 2 on one random layout, resume to step 4 on another: steps 3-4 equal a
-          straight run on the first
+          straight run on the first (--compressed: with a compressed sync, 1-bit Adam or local
+          SGD, resumed on the same layout: its residuals / replicas are restored exactly)
 In every mode a run may instead refuse its config with one line (exit 2, no traceback). Each
 failure prints its overrides (a reproduction) and the end of its stderr; the exit code is 1 if
 any run failed. Not a test: each run compiles its own step (~5-15 s here), and which combinations
@@ -95,11 +96,22 @@ def layout_opts(r: random.Random, moe: bool, axis: str | None = None) -> list[st
 
 
 def mixed_opts(r: random.Random, compressed: bool = False) -> list[str]:
-    """Precision and sync options; `compressed`: always a compressed sync or 1-bit Adam."""
+    """Precision and sync options; `compressed`: always a sync of sync_opts'."""
     out = [f"train.compute_dtype={r.choice(['float32', 'bfloat16', 'bfloat16', 'float16'])}"]
     if r.random() < 0.3:
         out += ["train.param_dtype=bfloat16"]
-    c = r.random() * (0.45 if compressed else 1)
+    out += sync_opts(r, compressed)
+    for p, opt in ((0.2, "optimizer.mu_dtype=bfloat16"), (0.2, "train.grad_reduce_dtype=bfloat16"),
+                   (0.2, "train.skip_nonfinite=true")):
+        if r.random() < p:
+            out += [opt]
+    return out
+
+
+def sync_opts(r: random.Random, always: bool = False) -> list[str]:
+    """A compressed reduction, 1-bit Adam or local SGD (sometimes, or `always`)."""
+    out = []
+    c = r.random() * (0.55 if always else 1)
     if c < 0.35:
         out += [f"gradient_compression.method={r.choice(['bf16', 'fp16', 'int8', 'onebit', 'topk', 'powersgd'])}"]
         if r.random() < 0.3:
@@ -108,10 +120,6 @@ def mixed_opts(r: random.Random, compressed: bool = False) -> list[str]:
         out += ["optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=1"]
     elif c < 0.55:
         out += ["local_sgd.sync_every=2"]
-    for p, opt in ((0.2, "optimizer.mu_dtype=bfloat16"), (0.2, "train.grad_reduce_dtype=bfloat16"),
-                   (0.2, "train.skip_nonfinite=true")):
-        if r.random() < p:
-            out += [opt]
     return out
 
 
@@ -188,8 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=None, help="scratch dir (default: a temporary one, removed)")
     ap.add_argument("--mesh-axis", default=None, help="draw only layouts that split this mesh axis "
                     "(pipeline, context, tensor, expert, fsdp); MoE models fall back to the dense layouts")
-    ap.add_argument("--compressed", action="store_true", help="mixed mode: every run a compressed "
-                    "reduction or 1-bit Adam")
+    ap.add_argument("--compressed", action="store_true", help="every run a compressed reduction, 1-bit "
+                    "Adam or local SGD (resume mode: resumed on the same layout, whose state it is)")
     args = ap.parse_args(argv)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="jaxpar-fuzz-")
     run = Runner(Path(args.work or tmp.name))
@@ -198,7 +206,10 @@ def main(argv=None) -> int:
     for i in range(args.runs):
         model = model_opts(r)
         moe = any("moe" in o for o in model)
-        if args.mode == "resume":
+        if args.mode == "resume" and args.compressed:  # its state (residuals, replicas) is the layout's
+            a = layout_opts(r, moe, args.mesh_axis) + sync_opts(r, always=True)
+            jobs.append((f"r{i}", model, a, a))
+        elif args.mode == "resume":
             jobs.append((f"r{i}", model, layout_opts(r, moe, args.mesh_axis), layout_opts(r, moe, args.mesh_axis)))
         else:
             extra = (["train.compute_dtype=float32"] if args.mode == "equal"
