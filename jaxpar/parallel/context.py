@@ -189,7 +189,9 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
         raise ConfigError(
             f"mesh.context={c} does not compose with mesh.pipeline={mesh_shape['pipeline']} yet: the "
             f"pipeline runner feeds each stage whole microbatches (no sequence split, no global "
-            f"positions); use mesh.pipeline=1 or mesh.context=1")
+            f"positions), and a context strategy's ring / all-to-all would run inside each stage's "
+            f"branch of the timetable, where the other stages never join its rendezvous; use "
+            f"mesh.pipeline=1 or mesh.context=1")
     if check_model and m.moe.num_experts and m.moe.dispatch == "capacity":
         raise ConfigError(
             f"mesh.context={c} with model.moe.dispatch=capacity: capacity drops a sequence's "
