@@ -205,12 +205,13 @@ class Plan:
                               f"pipeline.virtual_stages={v} chunks")
         return np.arange(n_layers).reshape(v, p, n_layers // (p * v)).transpose(1, 0, 2).reshape(-1)
 
-    def reorder_layers(self, tree: Any, axes: Any, to: Literal["stored", "canonical"]) -> Any:
+    def reorder_layers(self, tree: Any, axes: Any, to: Literal["stored", "canonical"], lead: int = 0) -> Any:
         """`tree` (params-shaped: params, gradients, an optimizer moment) with every leaf whose
         logical `axes` start with `layers` taken from canonical to stored order or back (see
         layer_order). Each device's chunks move once, by ppermute over the layer axis (a gather
-        would all-gather the whole stack); the other dims keep their sharding. Runs under jit
-        or eagerly; an identity without interleaving."""
+        would all-gather the whole stack); the other dims keep their sharding. `lead`: dims
+        before each leaf's own (local SGD's replica dim). Runs under jit or eagerly; an identity
+        without interleaving."""
         if to not in ("stored", "canonical"):
             raise ValueError(f"reorder_layers: to={to!r}; valid: stored, canonical")
         if not self.interleaves_layers:
@@ -226,15 +227,16 @@ class Plan:
                     moves.setdefault((c // p, j), []).append((c % p, d))
 
         def local(a):
-            a = a.reshape(v, a.shape[0] // v, *a.shape[1:])
+            shape = a.shape
+            a = a.reshape(*shape[:lead], v, shape[lead] // v, *shape[lead + 1:])
             out = [None] * v
             for (i, o), pairs in moves.items():
-                moved = jax.lax.ppermute(a[i], axis, pairs)
+                moved = jax.lax.ppermute(jnp.take(a, i, axis=lead), axis, pairs)
                 out[o] = moved if out[o] is None else out[o] + moved
-            return jnp.stack(out).reshape(-1, *a.shape[2:])
+            return jnp.stack(out, axis=lead).reshape(shape)
 
-        move = jax.shard_map(local, mesh=self.mesh, in_specs=P(axis), out_specs=P(axis),
-                             axis_names={axis})
+        spec = P(*(None,) * lead, axis)
+        move = jax.shard_map(local, mesh=self.mesh, in_specs=spec, out_specs=spec, axis_names={axis})
         return jax.tree.map(lambda x, ax: move(x) if ax[:1] == ("layers",) else x, tree, axes)
 
 

@@ -55,9 +55,14 @@ def canonical_grads(trainer: Trainer, metrics: dict) -> dict:
     stored order, interleaved under interleaved_1f1b: sharding.Plan.layer_order), on the host."""
     if "grads" not in metrics or not trainer.plan.interleaves_layers:
         return metrics
-    def canonical(g, axes):
-        return g[np.argsort(trainer.plan.layer_order(g.shape[0]))] if axes[:1] == ("layers",) else g
-    return {**metrics, "grads": jax.tree.map(canonical, metrics["grads"], trainer.model.axes)}
+    def canonical(g, axes, shape):
+        if axes[:1] != ("layers",):
+            return g
+        lead = g.ndim - len(shape.shape)  # local SGD: a replica dim first
+        return np.take(g, np.argsort(trainer.plan.layer_order(g.shape[lead])), axis=lead)
+    grads = jax.tree.map(canonical, metrics["grads"], trainer.model.axes, trainer.model.shapes,
+                         is_leaf=lambda x: isinstance(x, tuple))
+    return {**metrics, "grads": grads}
 
 
 def plain_grad(model):

@@ -16,8 +16,8 @@ Inside the step's shard_map, gradients are summed over the batch axes except `da
 expert still reduce within a replica): each replica's gradient is the mean over its own share of
 the batch (what one device would compute on those rows); clipping is per replica and the logged
 grad_norm is the root mean square of the replicas' norms. Needs mesh.data > 1, parameters
-not sharded over `data`, no gradient compression, AdamW, no interleaved pipeline (a pipeline's
-stages and context's sequence chunks are summed within each replica, like fsdp). Under bf16 params with
+not sharded over `data`, no gradient compression, AdamW (a pipeline's stages and context's
+sequence chunks are summed within each replica, like fsdp). Under bf16 params with
 float32 masters (train/precision.py) the replicas' masters are what is averaged and restarted
 from, and the nesterov outer step keeps float32 weights (state["local"]["outer_master"]).
 `LocalSGD` is the gradient sync (jaxpar/parallel/sync.py) of such a run.
@@ -53,12 +53,6 @@ class LocalSGD(GradientSync):
                               "mesh.data > 1")
         if AXIS not in plan.batch_axes:
             raise ConfigError("local_sgd needs `data` among the batch axes (sharding.rules.batch)")
-        if plan.interleaves_layers:
-            raise ConfigError(
-                f"local_sgd.sync_every={cfg.sync_every} with pipeline.virtual_stages="
-                f"{plan.layer_rounds} (interleaved_1f1b) is not supported yet: the replicas' params and "
-                f"optimizer states are stacked on a leading replica dim, which the interleaved layer "
-                f"order's checkpoint reordering does not know; use pipeline.schedule 1f1b, gpipe or zb_h1")
         if compression is not None and compression.method != "none":
             raise ConfigError(f"local_sgd syncs parameters, not gradients: drop gradient_compression.method="
                               f"{compression.method!r}")
@@ -102,6 +96,17 @@ class LocalSGD(GradientSync):
             if masters is not None:  # the outer step's own float32 weights
                 local["outer_master"] = masters
         return {**state, "opt_state": jax.tree.map(stack, state["opt_state"]), "local": local}
+
+    def reorder_layers(self, state: dict, tx, axes, move) -> dict:
+        """The replicas' params and optimizer states carry the replica dim first (lead 1)."""
+        local = dict(state["local"])
+        local["params"] = move(local["params"], axes, 1)
+        for k in ("momentum", "outer_master"):
+            if k in local:
+                local[k] = move(local[k], axes, 0)
+        replicas = lambda x, ax: move(x, ax, 1)
+        return {**state, "params": move(state["params"], axes, 0), "local": local,
+                "opt_state": optax.tree_map_params(tx, replicas, state["opt_state"], axes)}
 
     def params_in(self, state):
         return state["local"]["params"]

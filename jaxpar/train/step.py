@@ -84,13 +84,13 @@ def make_init(model: ModelDef, plan: Plan, tx, spec: StepSpec, param_dtype) -> C
     return jax.jit(init, static_argnums=0, out_shardings=spec.state_shardings)
 
 
-def reorder_state(state: dict, model: ModelDef, plan: Plan, tx, to: str) -> dict:
-    """`state` with the layer stacks of its params and of every params-shaped tree of its
-    optimizer state (moments, master weights) in `to` order, "stored" or "canonical"
-    (Plan.reorder_layers): checkpoints hold the canonical order, the step the stored one."""
-    move = lambda x, axes: plan.reorder_layers(x, axes, to)
-    return {**state, "params": move(state["params"], model.axes),
-            "opt_state": optax.tree_map_params(tx, move, state["opt_state"], model.axes)}
+def reorder_state(state: dict, model: ModelDef, plan: Plan, tx, sync: GradientSync, to: str) -> dict:
+    """`state` with the layer stacks of its params, of every params-shaped tree of its optimizer
+    state (moments, master weights) and of the sync's own params-shaped state (local SGD's
+    replicas) in `to` order, "stored" or "canonical" (Plan.reorder_layers): checkpoints hold the
+    canonical order, the step the stored one."""
+    move = lambda x, axes, lead: plan.reorder_layers(x, axes, to, lead)
+    return sync.reorder_layers(state, tx, model.axes, move)
 
 
 def make_train_step(model: ModelDef, plan: Plan, tx, spec: StepSpec, *, grad_accum: int, pipeline: Any = None,

@@ -243,10 +243,10 @@ class Trainer:
         state)."""
         if not self.plan.interleaves_layers:
             return state
-        core = ("params", "opt_state")  # what reorder_state moves
+        core = tuple(k for k in ("params", "opt_state", "local") if k in state)  # what reorder_state moves
         if to not in self._reorders:
             self._reorders[to] = jax.jit(
-                lambda st: reorder_state(st, self.model, self.plan, self.tx, to),
+                lambda st: reorder_state(st, self.model, self.plan, self.tx, self.spec.sync, to),
                 out_shardings={k: self.spec.state_shardings[k] for k in core},
                 donate_argnums=(0,) if to == "stored" else ())
         return {**state, **self._reorders[to]({k: state[k] for k in core})}
