@@ -127,6 +127,21 @@ def test_local_sgd_replicas_sum_context_and_pipeline_within(beside, devices):
     np.testing.assert_allclose([g["loss"] for g in got], [r["loss"] for r in ref], rtol=1e-5)
 
 
+def test_local_sgd_sums_within_a_replica_in_grad_reduce_dtype(devices):
+    """train.grad_reduce_dtype applies to local SGD's within-replica sums (here over fsdp=2, bf16
+    compute): bf16 hands the optimizer bf16 sums, within bf16's rounding of the float32 ones."""
+    from tests.grad_util import run_steps
+    from tests.test_layout_grads import relative_errors
+    base = ["local_sgd.sync_every=2", "mesh.data=4", "mesh.fsdp=2", "sharding.zero_stage=1",
+            "train.compute_dtype=bfloat16"]
+    f32 = run_steps(tiny_config(*base), 1, devices)[0]
+    bf16 = run_steps(tiny_config(*base, "train.grad_reduce_dtype=bfloat16"), 1, devices)[0]
+    assert {g.dtype for g in jax.tree.leaves(f32["grads"])} == {np.dtype(np.float32)}
+    assert {str(g.dtype) for g in jax.tree.leaves(bf16["grads"])} == {"bfloat16"}
+    leaf_err, norm_err = relative_errors(bf16, f32)
+    assert 1e-4 < leaf_err < 1e-2 and norm_err < 1e-3, (leaf_err, norm_err)
+
+
 def test_local_sgd_beside_an_interleaved_pipeline_checkpoints_canonical_layers(tmp_path, devices):
     """The replicas' params and optimizer states (a replica dim before the layers dim) are saved
     in the model's layer order like the params: restored at step 2 and run on, the state equals

@@ -30,7 +30,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError
-from jaxpar.parallel.data import scatter_microbatch_grads, sharded_dims
+from jaxpar.parallel.data import all_reduce, scatter_microbatch_grads, sharded_dims
 from jaxpar.parallel.sync import GradientSync, is_spec
 from jaxpar.sharding import entry_axes
 
@@ -138,7 +138,7 @@ class LocalSGD(GradientSync):
             done = {a for _, names in sharded_dims(spec, self.manual) for a in names}
             rest = tuple(sorted(a for a in within if a not in done and sizes[a] > 1))
             g = g if self.wire_dtype is None else g.astype(self.wire_dtype)  # train.grad_reduce_dtype
-            return jax.lax.psum(g, rest) if rest else g
+            return all_reduce(g, rest) if rest else g
         return jax.tree.map(reduce, grads, self.grad_specs, is_leaf=is_spec), comm
 
     def grad_norm(self, grads) -> jax.Array:

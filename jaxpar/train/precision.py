@@ -70,19 +70,11 @@ def check_precision(cfg: Config) -> None:
             "default; with float32 params there is no extra copy)")
     if t.grad_reduce_dtype == "bfloat16":
         method = cfg.gradient_compression.method
-        other = f"gradient_compression.method='{method}'" if method != "none" else _steps_itself(cfg)
+        other = (f"gradient_compression.method='{method}'" if method != "none"
+                 else "optimizer.name='onebit_adam'" if cfg.optimizer.name == "onebit_adam" else None)
         if other:
             raise ConfigError(
                 f"train.grad_reduce_dtype='bfloat16' is a plain bf16 gradient reduction, and {other} "
                 f"sets the reduction's wire format itself (gradient_compression.method=bf16 is 16-bit "
                 f"chunks summed in float32); use one of the two")
 
-
-def _steps_itself(cfg: Config) -> str | None:
-    """The setting (as `field=value`) whose optimizer or sync sends its own reduction (1-bit
-    Adam's momentum, local SGD's params), if any."""
-    if cfg.optimizer.name == "onebit_adam":
-        return "optimizer.name='onebit_adam'"
-    if cfg.local_sgd.sync_every > 1:
-        return f"local_sgd.sync_every={cfg.local_sgd.sync_every}"
-    return None
