@@ -92,6 +92,20 @@ def test_onebit_adam_beside_context_equals_data_parallel_alone(devices):
     np.testing.assert_allclose(got[1]["loss"], ref[1]["loss"], rtol=1e-5)
 
 
+def test_onebit_adam_beside_a_pipeline_is_adam_then_trains_as_data_parallel_alone(devices):
+    """1-bit Adam over data=4 with a 2-stage pipeline beside it: the warm-up step is data=4
+    alone's exact Adam step; after it each stage compresses its own layers (its blocks are not
+    data=4's, so the 1-bit momentum differs block by block) and the losses stay data=4 alone's
+    to 1e-4."""
+    method = ("optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=1")
+    ref = data4_reference(method + ("train.steps=3",), 3, devices)
+    got = run_steps(tiny_config(*DATA4, "mesh.pipeline=2", *method, "train.steps=3"), 3, devices)
+    leaf_err, norm_err = relative_errors(got[0], ref[0])
+    assert leaf_err < TOL[1] and norm_err < TOL[1], (leaf_err, norm_err)
+    np.testing.assert_allclose([g["loss"] for g in got], [r["loss"] for r in ref], rtol=1e-4)
+    assert got[1]["grads"]["embed"].dtype == np.float32  # the reduced momentum, after the warm-up
+
+
 def test_int8_beside_a_pipeline_sends_int8_and_keeps_residuals_per_stage(devices):
     """data=4 x pipeline=2 (1F1B) with int8: the buckets are reduced after the timetable, int8
     over data, the stages' embeddings and head summed over pipeline in float32; the gradient is

@@ -127,6 +127,20 @@ def test_local_sgd_replicas_sum_context_and_pipeline_within(beside, devices):
     np.testing.assert_allclose([g["loss"] for g in got], [r["loss"] for r in ref], rtol=1e-5)
 
 
+def test_local_sgd_beside_expert_parallelism_equals_data_parallel_replicas(devices):
+    """Dropless MoE, local SGD over data=4 with the experts split over expert=2 inside each
+    replica: the replicas' step-1 gradients and 3 losses (a sync among them) are data=4 alone's."""
+    from tests.grad_util import run_steps
+    from tests.test_layout_grads import relative_errors
+    base = ["local_sgd.sync_every=2", "mesh.data=4", "model.preset=moe_tiny", "model.n_layers=2",
+            "model.moe.dispatch=dropless"]
+    ref = run_steps(tiny_config(*base), 3, devices[:4])
+    got = run_steps(tiny_config(*base, "mesh.expert=2"), 3, devices)
+    leaf_err, norm_err = relative_errors(got[0], ref[0])
+    assert leaf_err < 1e-5 and norm_err < 1e-5, (leaf_err, norm_err)
+    np.testing.assert_allclose([g["loss"] for g in got], [r["loss"] for r in ref], rtol=1e-5)
+
+
 def test_local_sgd_sums_within_a_replica_in_grad_reduce_dtype(devices):
     """train.grad_reduce_dtype applies to local SGD's within-replica sums (here over fsdp=2, bf16
     compute): bf16 hands the optimizer bf16 sums, within bf16's rounding of the float32 ones."""
