@@ -81,7 +81,7 @@ def test_onebit_adam_beside_context_equals_data_parallel_alone(devices):
     block's scale in the second stage (2 blocks of 256 of 853k elements, 0.4% apart, here). A
     reduction that missed the context sum, or counted it twice, would differ everywhere."""
     method = ("optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=1")
-    ref = data4_reference(method, 2, devices)
+    ref = data4_reference(method, 3, devices)  # shared with the pipeline test below
     got = run_steps(tiny_config(*DATA4, *BESIDE["context2"], *method), 2, devices)
     leaf_err, norm_err = relative_errors(got[0], ref[0])
     assert leaf_err < TOL[1] and norm_err < TOL[1], (leaf_err, norm_err)
@@ -98,8 +98,8 @@ def test_onebit_adam_beside_a_pipeline_is_adam_then_trains_as_data_parallel_alon
     data=4's, so the 1-bit momentum differs block by block) and the losses stay data=4 alone's
     to 1e-4."""
     method = ("optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=1")
-    ref = data4_reference(method + ("train.steps=3",), 3, devices)
-    got = run_steps(tiny_config(*DATA4, "mesh.pipeline=2", *method, "train.steps=3"), 3, devices)
+    ref = data4_reference(method, 3, devices)
+    got = run_steps(tiny_config(*DATA4, "mesh.pipeline=2", *method), 3, devices)
     leaf_err, norm_err = relative_errors(got[0], ref[0])
     assert leaf_err < TOL[1] and norm_err < TOL[1], (leaf_err, norm_err)
     np.testing.assert_allclose([g["loss"] for g in got], [r["loss"] for r in ref], rtol=1e-4)
