@@ -15,8 +15,8 @@ reduced with 1-bit compression and error feedback.
 Two pieces: `onebit_adam(...)`, the optax transformation (its state: count, mu, nu), and
 `OneBitAdamReducer`, the step's data-parallel reduction, which looks at the optimizer state
 (count, mu) to pick the phase (a lax.cond inside the shard_map) and returns the reduced
-gradient during the warm-up and the new momentum after it. The optimizer state has to be laid
-out like the whole gradients (replicated over the batch axes): zero_stage 0, or fsdp = 1.
+gradient during the warm-up and the new momentum after it. Under ZeRO the momentum is laid out
+like what the optimizer receives (at ZeRO-1 each device's fsdp shard of the reduced momentum).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.collectives.onebit import OneBit
 from jaxpar.collectives.reducer import GradientReducer
 from jaxpar.config import ConfigError
+from jaxpar.sharding import ZERO_AXIS
 from jaxpar.train.decay import decay_mask, schedule
 
 
@@ -89,11 +90,6 @@ class OneBitAdamReducer(GradientReducer):
 
     def __init__(self, opt_cfg, compression, plan, model, grad_specs, wire_dtype=None):
         shape = plan.mesh.shape
-        if plan.zero_stage >= 1 and shape.get("fsdp", 1) > 1:
-            raise ConfigError(
-                f"optimizer.name=onebit_adam keeps its momentum laid out like the whole gradients: use "
-                f"sharding.zero_stage=0 or mesh.fsdp=1 (where ZeRO shards nothing), not "
-                f"zero_stage={plan.zero_stage} with fsdp={shape.get('fsdp', 1)}")
         if compression.method not in ("none", "onebit"):
             raise ConfigError(
                 f"optimizer.name=onebit_adam compresses the momentum itself (1-bit); drop "
@@ -108,7 +104,7 @@ class OneBitAdamReducer(GradientReducer):
         return {"mu": opt.mu, "count": opt.count}
 
     def extra_specs(self) -> dict:
-        return {"mu": self.grad_out, "count": P()}
+        return {"mu": self.final_out, "count": P()}  # laid out like what the optimizer receives
 
     def reduce(self, grads, comm, extra=None):
         leaves = self.treedef.flatten_up_to(grads)
@@ -125,7 +121,7 @@ class OneBitAdamReducer(GradientReducer):
             # sum over devices of (b1 m / n + (1 - b1) g_local) = b1 m + (1 - b1) g; a gradient
             # with no axis to reduce over (n = 1: one device, or expert weights when the other
             # batch axes are 1) is not in a bucket, so _compressed hands this momentum back as it is
-            local = [self.b1 * m / n_of.get(i, 1) + (1 - self.b1) * g.astype(jnp.float32)
+            local = [self.b1 * self._spread(m, i, n_of.get(i, 1)) + (1 - self.b1) * g.astype(jnp.float32)
                      for i, (g, m) in enumerate(zip(leaves, mus))]
             return self._compressed(jax.tree.unflatten(self.treedef, local), comm)
 
@@ -133,8 +129,23 @@ class OneBitAdamReducer(GradientReducer):
             out = list(leaves)
             for b in self.buckets:
                 for i in b.leaves:
-                    out[i] = jax.lax.psum(leaves[i], b.rest)
+                    out[i] = self._psum(leaves[i], self.zero1[i], b.rest)
             out = [o.astype(jnp.float32) for o in out]
             return jax.tree.unflatten(self.treedef, out), comm
 
         return jax.lax.cond(extra["count"] >= self.warmup, compressed, warm, comm)
+
+    def _spread(self, m, i: int, n: int):
+        """Leaf i's momentum as this device's share of the sum over its `n` reducing devices.
+        At ZeRO-1 (the optimizer state sharded over fsdp, the gradient whole) the device holds
+        only its fsdp shard f of m: it puts m_f / (n / fsdp) at shard f's place and zeros
+        elsewhere, so the sum over the devices, of which n / fsdp hold shard f, is m there."""
+        d = self.zero1[i]
+        if d is None:
+            return m / n
+        f = self.plan.mesh.shape[ZERO_AXIS]
+        whole = list(m.shape)
+        whole[d] *= f
+        placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(whole, m.dtype), m, jax.lax.axis_index(ZERO_AXIS)
+                                                     * m.shape[d], axis=d)
+        return placed / (n // f)
