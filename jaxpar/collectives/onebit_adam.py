@@ -146,6 +146,6 @@ class OneBitAdamReducer(GradientReducer):
         f = self.plan.mesh.shape[ZERO_AXIS]
         whole = list(m.shape)
         whole[d] *= f
-        placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(whole, m.dtype), m, jax.lax.axis_index(ZERO_AXIS)
-                                                     * m.shape[d], axis=d)
+        at = jax.lax.axis_index(ZERO_AXIS) * m.shape[d]
+        placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros(whole, m.dtype), m, at, axis=d)
         return placed / (n // f)
