@@ -104,11 +104,16 @@ INTERLEAVED = ["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipelin
 _local4: list = []
 
 
-def local4_reference(devices) -> list[dict]:
-    """4 steps of local SGD over data=4 alone, 4 devices (computed once)."""
-    from tests.grad_util import run_steps
+def local4_reference(devices) -> list[tuple[dict, dict]]:
+    """4 steps of local SGD over data=4 alone, 4 devices, computed once: (numpy metrics with the
+    grads, numpy state after the step) per step."""
+    from tests.grad_util import canonical_grads, grad_trainer, to_numpy
     if not _local4:
-        _local4.extend(run_steps(tiny_config(*LOCAL4), 4, devices[:4]))
+        t, step = grad_trainer(tiny_config(*LOCAL4), devices[:4])
+        state = t.init_state()
+        for k in range(4):
+            state, metrics = step(state, t.loader.batch(k))
+            _local4.append((canonical_grads(t, to_numpy(metrics)), to_numpy(state)))
     return _local4
 
 
@@ -121,7 +126,7 @@ def test_local_sgd_replicas_sum_context_and_pipeline_within(beside, devices):
     from tests.grad_util import run_steps
     from tests.test_layout_grads import relative_errors
     base = LOCAL4
-    ref = local4_reference(devices)
+    ref = [metrics for metrics, _ in local4_reference(devices)]
     got = run_steps(tiny_config(*base, *beside), 4, devices)
     leaf_err, norm_err = relative_errors(got[0], ref[0])
     assert leaf_err < 1e-5 and norm_err < 1e-5, (leaf_err, norm_err)
@@ -163,7 +168,7 @@ def test_local_sgd_beside_an_interleaved_pipeline_checkpoints_canonical_layers(t
     in the model's layer order like the params: restored at step 2 and run on, the state equals
     the straight run's bit for bit; the checkpoint's params and replica params are data=4
     alone's (the model's layer order, whatever the layout)."""
-    from tests.grad_util import grad_trainer, to_numpy
+    from tests.grad_util import to_numpy
     cfg = tiny_config(*LOCAL4, *INTERLEAVED, "train.steps=4", "checkpoint.every=2", "checkpoint.async_save=false")
     t = Trainer(cfg, devices=devices, log=lambda s: None)
     final, _ = t.fit(out_dir=tmp_path / "run", progress=False)
@@ -178,11 +183,7 @@ def test_local_sgd_beside_an_interleaved_pipeline_checkpoints_canonical_layers(t
         state, _ = t.compiled(state, t.loader.batch(s))
     for a, b in zip(jax.tree.leaves(to_numpy(state)), jax.tree.leaves(final)):
         np.testing.assert_array_equal(a, b)
-    ref_t, ref_step = grad_trainer(tiny_config(*LOCAL4), devices[:4])
-    ref = ref_t.init_state()
-    for s in range(2):
-        ref, _ = ref_step(ref, ref_t.loader.batch(s))
-    ref = to_numpy(ref)
+    ref = local4_reference(devices)[1][1]  # data=4 alone's state after step 2
     # two AdamW steps from gradients equal to float rounding (whose noise in near-zero entries
     # Adam scales up to a fraction of lr = 3e-3); a layer out of order would be ~0.02 off
     for key in ("params", "local"):

@@ -96,13 +96,14 @@ def test_onebit_adam_steps_float32_masters_as_it_steps_float32_params(devices):
     assert int(runs[0][2][1]["opt_state"].inner.count) == 3  # two of the steps after the warm-up
 
 
-@pytest.mark.parametrize("outer", ["average", "nesterov"])
-def test_local_sgd_averages_float32_masters_as_it_averages_float32_params(outer, devices):
-    """Local SGD (sync every 2 steps, 4 steps) on float32 masters under bf16 params against local
-    SGD on float32 params with bf16 compute: each replica's masters equal the float32 run's
-    replica params bit for bit, through the syncs (the masters averaged, the replicas restarted
-    from the average), the outer params are the float32 run's cast to bf16, and the nesterov
-    outer step's own float32 weights (local["outer_master"]) are the float32 run's outer params."""
+def test_local_sgd_averages_float32_masters_as_it_averages_float32_params(devices):
+    """Local SGD (DiLoCo's nesterov outer step, sync every 2 steps, 4 steps) on float32 masters
+    under bf16 params against local SGD on float32 params with bf16 compute: each replica's
+    masters equal the float32 run's replica params bit for bit, through the syncs (the masters
+    averaged, the replicas restarted from the outer step's result), the outer params are the
+    float32 run's cast to bf16, and the outer step's own float32 weights (local["outer_master"])
+    are the float32 run's outer params. (outer: average takes the same averaged masters.)"""
+    outer = "nesterov"
     base = ["local_sgd.sync_every=2", f"local_sgd.outer={outer}", "mesh.data=8", "train.compute_dtype=bfloat16"]
     runs = []
     for extra in (BF16, []):
