@@ -38,15 +38,17 @@ def first_step_grads(cfg, devices=None, batch=None) -> tuple[dict, float]:
     return metrics["grads"], float(metrics["grad_norm"])
 
 
-def run_steps(cfg, steps: int, devices=None, batches=None) -> list[dict]:
+def run_steps(cfg, steps: int, devices=None, batches=None, states: bool = False) -> list:
     """The numpy metrics (grads included) of `steps` steps of `cfg` from its fresh state, on the
-    trainer's batches 0, 1, ... or on the host `batches`."""
+    trainer's batches 0, 1, ... or on the host `batches`; with `states`, (metrics, the numpy
+    train state after the step) per step."""
     trainer, step = grad_trainer(cfg, devices)
     state, out = trainer.init_state(), []
     for i in range(steps):
         tokens = trainer.loader.batch(i) if batches is None else place_batch(trainer, batches[i])
         state, metrics = step(state, tokens)
-        out.append(canonical_grads(trainer, to_numpy(metrics)))
+        metrics = canonical_grads(trainer, to_numpy(metrics))
+        out.append((metrics, to_numpy(state)) if states else metrics)
     return out
 
 

@@ -107,13 +107,9 @@ _local4: list = []
 def local4_reference(devices) -> list[tuple[dict, dict]]:
     """4 steps of local SGD over data=4 alone, 4 devices, computed once: (numpy metrics with the
     grads, numpy state after the step) per step."""
-    from tests.grad_util import canonical_grads, grad_trainer, to_numpy
+    from tests.grad_util import run_steps
     if not _local4:
-        t, step = grad_trainer(tiny_config(*LOCAL4), devices[:4])
-        state = t.init_state()
-        for k in range(4):
-            state, metrics = step(state, t.loader.batch(k))
-            _local4.append((canonical_grads(t, to_numpy(metrics)), to_numpy(state)))
+        _local4.extend(run_steps(tiny_config(*LOCAL4), 4, devices[:4], states=True))
     return _local4
 
 

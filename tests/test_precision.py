@@ -14,7 +14,7 @@ from jaxpar.config import ConfigError
 from jaxpar.train.precision import MasterState, check_precision
 from jaxpar.train.trainer import Trainer
 from tests.conftest import tiny_config
-from tests.grad_util import grad_trainer, to_numpy
+from tests.grad_util import grad_trainer, run_steps, to_numpy
 
 BF16 = ["train.param_dtype=bfloat16"]
 LR, B1, B2, EPS, WD, CLIP = 1e-7, 0.9, 0.95, 1e-8, 0.1, 1.0
@@ -76,14 +76,7 @@ def test_onebit_adam_steps_float32_masters_as_it_steps_float32_params(devices):
     sees the same bf16 weights, so the gradients, the reduced momentum and the masters equal
     the float32 run's gradients, momentum and params bit for bit; the params are bf16(masters)."""
     base = ["optimizer.name=onebit_adam", "optimizer.onebit_warmup_steps=1", "mesh.data=8", "train.compute_dtype=bfloat16"]
-    runs = []
-    for extra in (BF16, []):
-        trainer, step = grad_trainer(tiny_config(*base, *extra), devices)
-        state, out = trainer.init_state(), []
-        for k in range(3):
-            state, metrics = step(state, trainer.loader.batch(k))
-            out.append((to_numpy(metrics), to_numpy(state)))
-        runs.append(out)
+    runs = [run_steps(tiny_config(*base, *extra), 3, devices, states=True) for extra in (BF16, [])]
     for (m_masters, s_masters), (m_f32, s_f32) in zip(*runs):
         assert isinstance(s_masters["opt_state"], MasterState)
         for a, b in zip(jax.tree.leaves(m_masters["grads"]), jax.tree.leaves(m_f32["grads"])):
@@ -105,14 +98,8 @@ def test_local_sgd_averages_float32_masters_as_it_averages_float32_params(device
     are the float32 run's outer params. (outer: average takes the same averaged masters.)"""
     outer = "nesterov"
     base = ["local_sgd.sync_every=2", f"local_sgd.outer={outer}", "mesh.data=8", "train.compute_dtype=bfloat16"]
-    runs = []
-    for extra in (BF16, []):
-        trainer, step = grad_trainer(tiny_config(*base, *extra), devices)
-        state, out = trainer.init_state(), []
-        for k in range(4):
-            state, _ = step(state, trainer.loader.batch(k))
-            out.append(to_numpy(state))
-        runs.append(out)
+    runs = [[state for _, state in run_steps(tiny_config(*base, *extra), 4, devices, states=True)]
+            for extra in (BF16, [])]
     for masters, f32 in zip(*runs):
         for a, b in zip(jax.tree.leaves(masters["opt_state"].master), jax.tree.leaves(f32["local"]["params"])):
             np.testing.assert_array_equal(a, b)

@@ -97,16 +97,14 @@ class LocalSGD(GradientSync):
                 local["outer_master"] = masters
         return {**state, "opt_state": jax.tree.map(stack, state["opt_state"]), "local": local}
 
+    opt_lead = 1  # one optimizer state per replica, the replica dim first
+
     def reorder_layers(self, state: dict, tx, axes, move) -> dict:
-        """The replicas' params and optimizer states carry the replica dim first (lead 1)."""
-        local = dict(state["local"])
-        local["params"] = move(local["params"], axes, 1)
-        for k in ("momentum", "outer_master"):
-            if k in local:
-                local[k] = move(local[k], axes, 0)
-        replicas = lambda x, ax: move(x, ax, 1)
-        return {**state, "params": move(state["params"], axes, 0), "local": local,
-                "opt_state": optax.tree_map_params(tx, replicas, state["opt_state"], axes)}
+        """The base's, and the replicas' own params (replica dim first), the outer momentum and
+        float32 outer weights (one each)."""
+        state = super().reorder_layers(state, tx, axes, move)
+        local = {k: move(v, axes, 1 if k == "params" else 0) for k, v in state["local"].items()}
+        return {**state, "local": local}
 
     def params_in(self, state):
         return state["local"]["params"]
@@ -156,13 +154,12 @@ class LocalSGD(GradientSync):
         updates, opt_state = jax.vmap(tx.update)(grads, state["opt_state"], lp)
         lp = optax.apply_updates(lp, updates)
         outer = state["params"]
-        local = dict(state["local"])
+        local = {k: v for k, v in state["local"].items() if k != "params"}  # the outer step's state
         cfg = self.cfg
         f32 = lambda x: x.astype(jnp.float32)
 
         def sync(args):
-            lp, outer, local, opt_state = args
-            masters = _masters(opt_state)
+            lp, outer, local, masters = args
             src = lp if masters is None else masters
             avg = jax.tree.map(lambda x: f32(x).mean(0), src)  # the all-reduce over data
             if self.nesterov:
@@ -180,11 +177,13 @@ class LocalSGD(GradientSync):
             restart = lambda p, n: jnp.broadcast_to(n, p.shape).astype(p.dtype)
             lp = jax.tree.map(restart, lp, outer)
             if masters is not None:
-                opt_state = opt_state._replace(master=jax.tree.map(restart, masters, new))
-            return lp, outer, local, opt_state
+                masters = jax.tree.map(restart, masters, new)
+            return lp, outer, local, masters
 
-        lp, outer, local, opt_state = jax.lax.cond((state["step"] + 1) % self.every == 0, sync, lambda a: a,
-                                                   (lp, outer, local, opt_state))
+        lp, outer, local, masters = jax.lax.cond((state["step"] + 1) % self.every == 0, sync, lambda a: a,
+                                                 (lp, outer, local, _masters(opt_state)))
+        if masters is not None:
+            opt_state = opt_state._replace(master=masters)
         kept = {k: v for k, v in state.items() if k != "step"}
         return {**kept, "params": outer, "opt_state": opt_state, "local": {**local, "params": lp}}
 

@@ -89,7 +89,6 @@ class OneBitAdamReducer(GradientReducer):
     gradient updates, with error feedback."""
 
     def __init__(self, opt_cfg, compression, plan, model, grad_specs, wire_dtype=None):
-        shape = plan.mesh.shape
         if compression.method not in ("none", "onebit"):
             raise ConfigError(
                 f"optimizer.name=onebit_adam compresses the momentum itself (1-bit); drop "

@@ -92,14 +92,17 @@ class GradientSync:
         """The fresh train state, given step, params and opt_state."""
         return {**state, "comm": self.init_comm()} if self.comm_specs() else state
 
+    #: dims before a param's own in the optimizer state's params-shaped trees (a replica dim)
+    opt_lead = 0
+
     def reorder_layers(self, state: dict, tx: optax.GradientTransformation, axes, move: Callable) -> dict:
         """`state` with every params-shaped tree's layer stacks moved by move(tree, axes, lead)
         (lead: dims before a param's own): the params and the optimizer state's (`comm` is bound
         to its layout, stored order, and not moved). A sync with params-shaped state of its own
         moves that too."""
-        one = lambda x, ax: move(x, ax, 0)
+        opt = lambda x, ax: move(x, ax, self.opt_lead)
         return {**state, "params": move(state["params"], axes, 0),
-                "opt_state": optax.tree_map_params(tx, one, state["opt_state"], axes)}
+                "opt_state": optax.tree_map_params(tx, opt, state["opt_state"], axes)}
 
     # ------------------------------------------------------------------ the shard_map's layout
     def params_in(self, state: dict):
