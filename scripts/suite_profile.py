@@ -51,10 +51,8 @@ def _cpu() -> tuple[float, float]:
 
 def pytest_configure(config) -> None:
     import jax
-    jax.config.update("jax_log_compiles", True)
-    logger = logging.getLogger("jax")
-    logger.addHandler(_Handler())
-    logger.setLevel(logging.DEBUG)
+    jax.config.update("jax_log_compiles", True)  # jax then logs these at WARNING, the default level
+    logging.getLogger("jax").addHandler(_Handler())
 
 
 @pytest.hookimpl(hookwrapper=True)
