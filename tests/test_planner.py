@@ -17,6 +17,7 @@ from jaxpar.planner.memory import estimate, w_kept_bytes
 from jaxpar.planner.published import (FULL_SHARD, SELECTIVE, WEAK_SCALING, check_run, check_selective_run,
                                       check_sharded_run)
 from jaxpar.planner.search import CONTEXT_MIN_SEQ, HEADROOM, search
+from jaxpar.planner.sync import local_sgd_ops, planned_sync
 from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.model import ModelDef
 from jaxpar.train.trainer import Trainer
@@ -31,7 +32,8 @@ TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups r
 ZB_FULL = f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.schedule=zb_h1 train.remat=full {TOL}"
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
 # policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16; beside sequence
-# parallelism, and sequence parallelism in a pipeline), context: 29 layouts, one compile each
+# parallelism, and sequence parallelism in a pipeline), context, compressed and local SGD syncs:
+# 34 layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
@@ -76,12 +78,19 @@ LAYOUTS = [
     # context parallelism: ring (zigzag chunks, permutes of K and V) and all_to_all (head split)
     "mesh.data=2 mesh.context=4",
     "mesh.data=4 mesh.context=2 context.strategy=all_to_all",
+    # the syncs that replace the float32 psum (planner/sync.py): their payloads and state
+    "mesh.data=4 mesh.fsdp=2 sharding.zero_stage=1 gradient_compression.method=int8",
+    "mesh.data=8 gradient_compression.method=topk gradient_compression.scope=dcn "
+    "gradient_compression.dcn_size=2",
+    "mesh.data=2 mesh.fsdp=4 sharding.zero_stage=3 gradient_compression.method=onebit",
+    "mesh.data=8 gradient_compression.method=powersgd",
+    "mesh.data=4 mesh.fsdp=2 sharding.zero_stage=1 local_sgd.sync_every=4",
 ]
 
 
 class _Compiled(dict):
     """Per layout, built on first use (so each layout's compile is timed with the first test that
-    reads it, not all 17 with the first test): (config, trainer, predicted memory, measured
+    reads it, not all of them with the first test): (config, trainer, predicted memory, measured
     memory, predicted / measured collectives); one compile each."""
 
     def __missing__(self, overrides):
@@ -106,8 +115,8 @@ def test_predicted_memory_within_15_percent_of_the_compiler(compiled, overrides)
     _, tr, pred, mem, _, _ = compiled[overrides]
     got = mem["argument_bytes"] + mem["temp_bytes"]
     assert pred["total"] == pytest.approx(got, rel=0.15), (pred, mem)
-    # the state is exact: the same specs the step uses
-    state = pred["params"] + pred["opt_state"]
+    # the state is exact: the same specs the step uses, and the sync's own state
+    state = pred["params"] + pred["opt_state"] + pred["sync_state"]
     assert state <= mem["argument_bytes"] <= state + pred["batch"] + 4096
 
 
@@ -145,8 +154,10 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
     backward gathered on 0.12.0: one activation's gather less), and no all-to-all: the model lays q
     and k out at their projections (constrained only after RoPE, XLA gathered wq and wk whole to
     project sequence-split tokens and resharded q and k by all-to-alls, 4 a layer)."""
-    cfg, _, _, _, comm, hlo = compiled[overrides]
+    cfg, tr, _, _, comm, hlo = compiled[overrides]
     pred = comm["kinds"]
+    if cfg.local_sgd.sync_every > 1:
+        pred = _average_every_step(cfg, tr, pred)
     tensor = cfg.mesh.tensor > 1
     if cfg.sharding.sequence_parallel:
         assert hlo.get("all-to-all", {}).get("ops", 0) == 0, hlo["all-to-all"]
@@ -178,6 +189,18 @@ def test_predicted_collective_bytes_match_the_hlo(compiled, overrides):
             want /= 2
         rel = 0.35 if tensor else 0.25 if kind == "all-gather" and cfg.sharding.zero_stage == 3 else 0.05
         assert got == pytest.approx(want, rel=rel), (kind, got, want)
+
+
+def _average_every_step(cfg, tr, pred: dict) -> dict:
+    """`pred` with local SGD's parameter average counted on every step: the HLO holds its
+    conditional once per step, the planner 1/sync_every of it."""
+    layout = Layout.of_config(cfg, 8)
+    plan = abstract_plan(cfg, layout)
+    out = {k: dict(v) for k, v in pred.items()}
+    sync = planned_sync(cfg, layout, tr.model, plan)
+    for kind, result, _, _, times in local_sgd_ops(sync, plan, tr.model, 4):
+        out[kind]["result_bytes"] += (1 - times) * result
+    return out
 
 
 def _check_sequence_parallel(cfg, kind: str, got: float, want: float) -> None:
@@ -465,6 +488,47 @@ def test_auto_keeps_what_the_user_fixed():
                                                      "sharding.sequence_parallel=true"])
     chosen, plan = resolve_auto(pinned, 8, log=lambda m: None)
     assert chosen.sharding.sequence_parallel is True and plan.layout.sequence_parallel
+
+
+def test_compressed_and_local_sgd_syncs_are_scored_as_they_run():
+    """The planner scores the sync the config asks for (planner/sync.py): the 1B preset on 16
+    A100s over two hosts at data 16 (ZeRO-0): int8's payload crosses the hosts instead of the float32
+    all-reduce (int8 + a float32 scale per 256 values, both ways: 1.0156 / 4 of the bytes), its
+    error-feedback residuals (a gradient and 1/16 of one, float32) count in memory, and the
+    step's gradient-sync time falls; local SGD's parameter average every 4 steps costs a
+    quarter of the all-reduce a step and keeps a replica's params. Lossy methods are never
+    searched: the plan keeps the config's."""
+    cluster = load_cluster("a100_80gb_x8").with_devices(16)
+    base = load_config("configs/llama_1b.yaml", ["checkpoint.enabled=false", "train.global_batch=32"])
+    model = ModelDef.from_factory(llama_model_factory(base))
+    pin = {"zero_stage": 0, "remat": "none", "grad_accum": 1}
+
+    def best(*overrides):
+        cfg = make_config(base.model_dump(mode="json"), list(overrides))
+        res = search(cfg, cluster, model, fixed={"data": 16}, options_fixed=pin)
+        assert res.ranked, res.rejected
+        return res.ranked[0]
+
+    plain, int8, local = best(), best("gradient_compression.method=int8"), best("local_sgd.sync_every=4")
+    grads = plain.comm["kinds"]["all-reduce"]["wire_bytes"]
+    wire = lambda s: sum(r["wire_bytes"] for r in s.comm["kinds"].values())
+    assert wire(int8) == pytest.approx(grads * (1 + 4 / 256) / 4, rel=0.01)
+    assert int8.comm["kinds"]["all-to-all"]["links"]["inter"] > 0
+    assert "int8 over data" in int8.comm["sync"] and plain.comm["sync"] == "psum"  # --explain prints it
+    params = plain.memory["params"]
+    assert plain.memory["sync_state"] == 0
+    assert int8.memory["sync_state"] == pytest.approx(params * (1 + 1 / 16), rel=0.01)
+    # a quarter of the bytes, in two ops per layer and leaf (the per-layer buckets of the
+    # backward scan: their latency) against one all-reduce per leaf
+    assert int8.time.comm_s["grad_sync"] < plain.time.comm_s["grad_sync"] / 2
+    assert wire(local) == pytest.approx(grads / 4, rel=1e-6)
+    assert local.memory["sync_state"] == params
+    assert local.time.comm_s["grad_sync"] < plain.time.comm_s["grad_sync"]
+    # a mesh the sync refuses is rejected for the Trainer's reason, not a crash of the search
+    cfg = load_config("configs/quickstart.yaml", ["checkpoint.enabled=false", "local_sgd.sync_every=4"])
+    res = search(cfg, load_cluster("cpu8"), ModelDef.from_factory(llama_model_factory(cfg)))
+    assert res.ranked and all(s.layout.size("data") > 1 for s in res.ranked)
+    assert any("needs data-parallel replicas: mesh.data > 1" in reason for reason in res.rejected)
 
 
 def test_sequence_parallel_is_searched_beside_tensor():

@@ -144,6 +144,20 @@ class Compressor:
         members of this device's `gather` group own, in their order (ZeRO-1)."""
         return two_stage_reduce(self, x, state, group, gather)
 
+    def payload_bytes(self, rows: int, cols: int) -> float:
+        """Bytes of compress() of a [rows, cols] bucket (cols a multiple of `multiple`): every
+        method's payload is per row and affine in the columns (values, per-block scales or
+        picks, a per-row scale), so two traced sizes give every other (the planner asks for
+        many)."""
+        if getattr(self, "_unit", None) is None:
+            m = max(self.multiple, 8)
+            size = lambda k: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(
+                jax.eval_shape(self.compress, jax.ShapeDtypeStruct((1, k * m), jnp.float32))))
+            one = size(1)
+            self._unit = (m, one, size(2) - one)
+        m, one, per_unit = self._unit
+        return rows * (one + (cols / m - 1) * per_unit)
+
     def wire_bytes_per_element(self) -> float:
         """Bytes of payload per gradient element (one compression), for docs and checks."""
         x = jnp.zeros((1, max(self.multiple, 8) * 32), jnp.float32)

@@ -74,8 +74,7 @@ def data_host_groups(mesh, dcn: int) -> tuple[list[list[int]], list[list[int]]]:
     across-host part is the major part of the axis, as jax's hybrid meshes lay it out."""
     size = mesh.shape["data"]
     check_dcn_size(size, dcn)
-    names = list(mesh.axis_names)
-    procs = [np.take(mesh.devices, j, axis=names.index("data")).flat[0].process_index for j in range(size)]
+    procs = _data_processes(mesh)
     if len(set(procs)) == dcn and dcn > 1:
         hosts = sorted(set(procs), key=procs.index)
         in_host = [[j for j in range(size) if procs[j] == h] for h in hosts]
@@ -88,6 +87,15 @@ def data_host_groups(mesh, dcn: int) -> tuple[list[list[int]], list[list[int]]]:
     return in_host, across
 
 
+def _data_processes(mesh) -> list[int]:
+    """The process of each `data` index (all 0 on a device-less mesh: the planner's)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return [0] * mesh.shape["data"]
+    names = list(mesh.axis_names)
+    return [np.take(mesh.devices, j, axis=names.index("data")).flat[0].process_index
+            for j in range(mesh.shape["data"])]
+
+
 def check_dcn_size(data: int, dcn: int) -> None:
     if data % dcn:
         raise ConfigError(f"gradient_compression.dcn_size={dcn} does not divide mesh.data={data}: the hosts "
@@ -98,9 +106,7 @@ def check_dcn_size(data: int, dcn: int) -> None:
 def dcn_size_of(mesh, cfg) -> int:
     if cfg.dcn_size is not None:
         return cfg.dcn_size
-    names = list(mesh.axis_names)
-    return len({np.take(mesh.devices, j, axis=names.index("data")).flat[0].process_index
-                for j in range(mesh.shape["data"])})
+    return len(set(_data_processes(mesh)))
 
 
 LAYERS = "layers"  # state["comm"][LAYERS]: the residuals of the in-scan leaves, [devices, layers, ...]
@@ -514,6 +520,77 @@ class GradientReducer(GradientSync):
                 unchecked(reduce, g, st[name], replicated=b.rest)
             out[i] = self._my_shard(approx.reshape(g.shape).astype(g.dtype), i)
         return new
+
+    # ------------------------------------------------------------------ what crosses the wire
+
+    def wire_ops(self) -> list[tuple[str, float, tuple[str, ...], int, float]]:
+        """(kind, result bytes on one device, group axes, group size, times per step) of every
+        collective the compressed reduction issues (`_reduce_flat`, `_reduce_powersgd`, `_psum`),
+        the layer buckets once per layer: what the planner counts (planner/comm.py), checked
+        against the compiled HLO (tests/test_planner.py). Without the ZeRO-2/3 scatters and
+        gathers over fsdp, which are the plain sync's. Computed once per sync (a planner's search
+        asks for each layout's)."""
+        if getattr(self, "_wire_ops", None) is None:
+            self._wire_ops = self._count_wire_ops()
+        return self._wire_ops
+
+    def _count_wire_ops(self) -> list:
+        ops: list = []
+        payload = self.comp.payload_bytes
+
+        def op(kind, nbytes, group, times=1.0):
+            if group is not None and group.size > 1:
+                ops.append((kind, float(nbytes), group.axes, group.size, times))
+
+        def psum(i, b, times):
+            elems, d = math.prod(self._shape(b, i)), self._dim(b, i)
+            if d is not None:
+                fsdp = Group((ZERO_AXIS,), self.plan.mesh.shape[ZERO_AXIS])
+                op("reduce-scatter", 4 * elems / fsdp.size, fsdp, times)
+                elems //= fsdp.size
+            op("all-reduce", 4 * elems, self._rest_group(b.rest, () if d is None else (ZERO_AXIS,)), times)
+
+        layer_buckets = [(b, self.local_shapes[b.leaves[0]][0]) for b in self.layer_buckets.values()]
+        for b, times in [*((b, 1.0) for b in self.buckets), *layer_buckets]:
+            if b.compressed is None:
+                for i in b.leaves:
+                    psum(i, b, times)
+                continue
+            if isinstance(self.comp, PowerSGD):
+                r = self.comp.rank
+                for i in b.leaves:
+                    if i not in b.matrices:
+                        psum(i, b, times)
+                        continue
+                    bb, m, n = b.matrices[i]
+                    for g in b.outer:
+                        op("all-reduce", 4 * bb * m * n, g, times)
+                        op("all-reduce", 4 * bb * n * r, g, times)
+                    op("all-reduce", 4 * bb * m * r, b.compressed, times)
+                    op("all-reduce", 4 * bb * n * r, b.compressed, times)
+                continue
+            length = b.padded
+            for g in b.outer:
+                length //= g.size
+                op("reduce-scatter", 4 * length, g, times)
+            x = b.compressed
+            gather = _without(x, ZERO_AXIS, self.plan) if b.scattered and ZERO_AXIS in x.axes else x
+            if self.comp.scatters:
+                op("all-to-all", payload(x.size, length // x.size), x, times)
+                op("all-gather", gather.size * payload(1, length // x.size), gather, times)
+                length = gather.size * length // x.size
+            else:
+                op("all-gather", x.size * payload(1, length), x, times)
+                length = length if gather is x else length // (x.size // gather.size)
+            for g in reversed(b.outer):
+                g = _without(g, ZERO_AXIS, self.plan) if b.scattered and ZERO_AXIS in g.axes else g
+                length *= g.size
+                op("all-gather", 4 * length, g, times)
+        return ops
+
+    def _rest_group(self, rest: tuple[str, ...], skip: tuple[str, ...] = ()) -> Group:
+        axes = tuple(a for a in rest if a not in skip)
+        return Group(axes, math.prod(self.plan.mesh.shape[a] for a in axes))
 
     def describe(self) -> str:
         parts = []

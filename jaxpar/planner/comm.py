@@ -7,7 +7,8 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
 
   gradient sync   exact per param for the plan's specs and ZeRO stage (grad_sync_bytes: the
                   data-parallel all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3's
-                  per-microbatch gathers forward and backward)
+                  per-microbatch gathers forward and backward); a compressed or local SGD sync
+                  replaces the sum over the batch axes with its own collectives (planner/sync.py)
   tensor          Megatron activations [tokens, D] per layer and microbatch: 2 all-reduces in the
                   forward and, as XLA partitions the backward, tp_backward_all_reduces there
                   + 2 at the embedding/head (2/p a stage); remat "full" repeats the
@@ -35,12 +36,17 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 
+from jaxpar.collectives.local_sgd import LocalSGD
+from jaxpar.collectives.reducer import GradientReducer
 from jaxpar.metrics import COLLECTIVE_KINDS
 from jaxpar.parallel.pipeline.schedule import SPLIT
+from jaxpar.planner.layout import abstract_plan
+from jaxpar.planner.sync import local_sgd_ops, planned_sync
 from jaxpar.sharding import ZERO_AXIS as ZERO, Plan, entry_axes
 from jaxpar.xla import jaxlib_version
 
@@ -110,16 +116,22 @@ def reduced_axes(plan: Plan) -> tuple[str, ...]:
 
 
 def grad_sync_bytes(plan: Plan, axes_tree, shapes_tree, *, grad_accum: int, param_itemsize: int,
-             compute_itemsize: int, grad_itemsize: int | None = None) -> dict[str, dict]:
+             compute_itemsize: int, grad_itemsize: int | None = None, skip: tuple[str, ...] = (),
+             within: tuple[str, ...] = ()) -> dict[str, dict]:
     """The minimum per-device result and wire bytes per kind for `plan` (see module doc);
-    gradients reduced in `grad_itemsize` bytes (train.grad_reduce_dtype; default param_itemsize)."""
+    gradients reduced in `grad_itemsize` bytes (train.grad_reduce_dtype; default param_itemsize).
+    `skip`: kinds another sync issues instead (a compressed one: the sum over the batch axes
+    left, ZeRO-1's scatter); `within`: axes the gradient is not summed over (local SGD's
+    `data`: each replica keeps its own)."""
     gsz = grad_itemsize or param_itemsize
     mesh = plan.mesh.shape
-    batch = reduced_axes(plan)
+    batch = tuple(a for a in reduced_axes(plan) if a not in within)
     size = lambda axes: math.prod(mesh[a] for a in axes)
     out = {k: {"result_bytes": 0.0, "wire_bytes": 0.0} for k in COLLECTIVE_KINDS}
 
     def add(kind, result, n, times=1):
+        if kind in skip or (kind == "reduce-scatter" and "zero1-scatter" in skip and plan.zero_stage == 1):
+            return
         if n > 1:
             out[kind]["result_bytes"] += times * result
             out[kind]["wire_bytes"] += times * wire_bytes(kind, result, n)
@@ -173,7 +185,8 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
                      clock: str = "lockstep") -> dict[str, dict]:
     """Per kind: result / wire bytes, ops and ring steps per device per step, with the wire bytes
     split by link ("intra" / "inter" host, by the layout's dcn factors), grouped by purpose
-    under key "purpose" -> {grad_sync, zero3_gather, tensor, pipeline, expert: wire bytes}.
+    under key "purpose" -> {grad_sync, zero3_gather, tensor, pipeline, expert: wire bytes}, and
+    under "sync" what the gradient sync is (its describe(): the buckets of a compressed one).
     `cache` keeps the gradient sync's bytes per mesh, ZeRO stage and microbatch count;
     `platform` the cluster's (XLA's passes differ); `clock` how the pipeline runs."""
     from jaxpar.planner.memory import itemsize
@@ -185,15 +198,22 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
 
     # gradient sync (and ZeRO-3's gathers): exact per param
     mesh = plan.mesh.shape
-    batch = reduced_axes(plan)
+    cache = {} if cache is None else cache
+    own = planned_sync(cfg, layout, model, plan, cache)  # a compressed / local SGD sync, or None
+    compressed, local = isinstance(own, GradientReducer), isinstance(own, LocalSGD)
+    batch = tuple(a for a in reduced_axes(plan) if not (local and a == "data"))
     accum = layout.micro
     key = (tuple(mesh.items()), plan.zero_stage, accum)
-    cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = grad_sync_bytes(plan, model.axes, model.shapes, grad_accum=accum,
+        # local SGD all-reduces each replica's gradient whole (the ZeRO-0 sum) at ZeRO-1 too
+        whole = local and plan.zero_stage == 1
+        gplan = abstract_plan(cfg, dataclasses.replace(layout, zero_stage=0)) if whole else plan
+        cache[key] = grad_sync_bytes(gplan, model.axes, model.shapes, grad_accum=accum,
                                      param_itemsize=itemsize(t.param_dtype),
                                      compute_itemsize=itemsize(t.compute_dtype),
-                                     grad_itemsize=itemsize(t.grad_reduce_dtype))
+                                     grad_itemsize=itemsize(t.grad_reduce_dtype),
+                                     skip=("all-reduce", "zero1-scatter") if compressed else (),
+                                     within=("data",) if local else ())
     sync = cache[key]
     leaves = len(jax.tree.leaves(model.shapes))
     for kind, row in sync.items():  # `out` is empty here: one row per kind
@@ -214,6 +234,14 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
             row_out["steps"] += ops * (2 * (n - 1) if kind == "all-reduce" else n - 1)
             gathered = plan.zero_stage >= 3 and kind == "all-gather"
             purpose["zero3_gather" if gathered else "grad_sync"] += row["wire_bytes"]
+    before = sum(r["wire_bytes"] for r in out.values())
+    if compressed:  # the compressed reduction's own collectives (planner/sync.py)
+        for kind, result, axes, n, times in own.wire_ops():
+            add_op(out, kind, result, n, times, link(axes))
+    elif local:
+        for kind, result, axes, n, times in local_sgd_ops(own, plan, model, itemsize(t.param_dtype)):
+            add_op(out, kind, result, n, times, link(axes))
+    purpose["grad_sync"] += sum(r["wire_bytes"] for r in out.values()) - before
 
     c = itemsize(t.compute_dtype)
     micro = layout.micro
@@ -289,4 +317,4 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
             for x in (q, kv, kv, q):  # q, k, v to the head split; the output back
                 add_op(out, "all-to-all", x * c, cp, passes * micro * layers, c_link)
         purpose["context"] = sum(r["wire_bytes"] for r in out.values()) - before
-    return {"kinds": out, "purpose": purpose}
+    return {"kinds": out, "purpose": purpose, "sync": own.describe() if own is not None else "psum"}

@@ -2,6 +2,10 @@
 
     state       params, optimizer state (mu, nu, float32 masters) under the plan's specs: exact
                 (the same Plan.spec the step uses, on a device-less mesh)
+    sync_state  what a compressed, 1-bit Adam or local SGD sync keeps in the train state
+                (error-feedback residuals, PowerSGD's Q, a replica's params): planner/sync.py
+    sync_working the new error-feedback residuals of the layers the backward scan reduces, a
+                second buffer beside the old ones
     grads       the gradient the step holds (ZeRO-2/3: its fsdp shard), in float32 when
                 microbatches are accumulated; plus one microbatch's unsharded gradient with
                 accumulation (ZeRO-2 without a pipeline: of the params outside the layer stack
@@ -58,6 +62,8 @@ import numpy as np
 from jaxpar.config import Config
 from jaxpar.parallel.pipeline.schedule import SPLIT
 from jaxpar.planner.layout import Layout, abstract_plan, timetable
+from jaxpar.collectives.reducer import LAYERS
+from jaxpar.planner.sync import planned_sync, state_bytes as sync_state_bytes
 from jaxpar.sharding import Plan, entry_axes
 from jaxpar.train.precision import DTYPES, has_masters
 
@@ -310,7 +316,9 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
     plan = abstract_plan(cfg, layout)
     sizes = state_itemsizes(cfg, layout.micro)
     c = itemsize(cfg.train.compute_dtype)
-    out = {k: 0.0 for k in ("params", "opt_state", "grads", "update", "gathered")}
+    out = {k: 0.0 for k in ("params", "opt_state", "grads", "update", "gathered", "sync_state",
+                            "sync_working")}
+    param_elems = 0.0
     stacked_full = 0.0  # one layer's params, gathered (ZeRO-3), per device
     top_full = 0.0      # the embedding / head / final norm, gathered
     grad_full = 0.0     # one microbatch's gradient before any fsdp scatter
@@ -318,7 +326,9 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
     grad_layer = 0.0
     for axes, sds in _leaves(model):
         shape = sds.shape
-        out["params"] += shard_elems(plan, axes, shape, "param") * sizes["params"]
+        elems = shard_elems(plan, axes, shape, "param")
+        param_elems += elems
+        out["params"] += elems * sizes["params"]
         opt = shard_elems(plan, axes, shape, "opt")
         out["opt_state"] += opt * sizes["opt_state"]
         out["grads"] += shard_elems(plan, axes, shape, "grad") * sizes["grads"]
@@ -340,6 +350,9 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
         out["grads"] *= 2
     elif layout.micro > 1 and layout.zero_stage >= 2:
         out["grads"] += grad_full
+    sync = planned_sync(cfg, layout, model, plan)
+    out["sync_state"] = sync_state_bytes(cfg, sync, out["params"], param_elems)
+    out["sync_working"] = sync_state_bytes(cfg, sync, out["params"], param_elems, part=LAYERS)
     if layout.zero_stage >= 3 and layout.size("fsdp") > 1:
         out["gathered"] = top_full + 2 * stacked_full
     elif layout.zero_stage in (1, 2) and layout.size("fsdp") > 1:  # the updated params, all-gathered

@@ -27,7 +27,7 @@ def to_json(result: Result, top: int, explain: bool = False) -> dict:
 
 def explain_terms(s: Scored) -> dict:
     return {"time_s": s.terms(), "step_parts_s": s.time.parts, "shared_units": s.time.shared,
-            "memory_bytes": {k: v for k, v in s.memory.items()},
+            "memory_bytes": {k: v for k, v in s.memory.items()}, "sync": s.comm.get("sync", "psum"),
             "collectives": {k: {"result_bytes": r["result_bytes"], "wire_bytes": r["wire_bytes"],
                                 "links": r["links"]} for k, r in s.comm["kinds"].items()}}
 
@@ -70,6 +70,7 @@ def format_explain(s: Scored) -> str:
     lines.append("  memory per device:")
     for k, v in s.memory.items():
         lines.append(f"    {k:22s} {v / GIB:12.4f} GiB")
+    lines.append(f"  gradient sync: {s.comm.get('sync', 'psum')}")
     lines.append("  collectives per device per step (wire bytes, by link):")
     for k, r in s.comm["kinds"].items():
         links = ", ".join(f"{lk} {b / GIB:.4f} GiB" for lk, b in r["links"].items())

@@ -13,6 +13,7 @@ from jaxpar.planner.cluster import Cluster
 from jaxpar.planner.comm import step_collectives
 from jaxpar.planner.layout import Layout, abstract_plan
 from jaxpar.planner.memory import estimate, state_terms
+from jaxpar.planner.sync import planned_sync
 from jaxpar.planner.timing import StepTime, step_time
 from jaxpar.sharding import check_replication
 from jaxpar.train.layout_checks import check_layout
@@ -105,6 +106,7 @@ def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None 
     plan = abstract_plan(c, layout)
     try:
         check_layout(c, plan, platform=platform)
+        planned_sync(c, layout, model, plan, cache)  # a sync that refuses the mesh (local SGD at data 1)
     except ConfigError as e:
         return str(e)
     key = (tuple(layout.mesh.values()), layout.zero_stage)
