@@ -459,9 +459,10 @@ class ContextConfig(Strict):
     online-softmax step per arriving chunk; `all_to_all` (Ulysses) trades the sequence split for
     a head split around attention (n_heads and n_kv_heads must divide by mesh.context).
     `layout`: `zigzag` gives device i chunks i and 2C-1-i of 2C (balanced causal work;
-    train.seq_len divisible by 2 x mesh.context), `contiguous` chunk i of C."""
+    train.seq_len divisible by 2 x mesh.context), `contiguous` chunk i of C. `strategy: auto`:
+    the planner's choice (both compute the same attention; jaxpar/planner)."""
 
-    strategy: Literal["ring", "all_to_all"] = "ring"
+    strategy: Literal["ring", "all_to_all", "auto"] = "ring"
     layout: Literal["zigzag", "contiguous"] = "zigzag"
 
 
@@ -743,7 +744,8 @@ class Config(Strict):
         out += [f for f, v in (("sharding.zero_stage", self.sharding.zero_stage),
                                ("train.remat", self.train.remat),
                                ("train.grad_accum", self.train.grad_accum),
-                               ("sharding.sequence_parallel", self.sharding.sequence_parallel))
+                               ("sharding.sequence_parallel", self.sharding.sequence_parallel),
+                               ("context.strategy", self.context.strategy))
                 if v == "auto"]
         return out
 

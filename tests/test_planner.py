@@ -379,6 +379,45 @@ def test_long_sequences_search_context_parallelism():
     assert layouts and all(x.size("context") == 1 for x in layouts)
 
 
+def test_context_strategy_is_searched_pinned_and_auto():
+    """Where mesh.context > 1 both strategies are scored (they compute the same attention): ring
+    by its K/V permutes, all_to_all by its head-split all-to-alls, the latter where the heads
+    divide by context x tensor and rejected for the config check's reason where they do not
+    (configs/long_context.yaml's 4 heads at context 8). `--layout context.strategy=` pins one
+    (where mesh.context > 1); `context.strategy: auto` lets the planner choose
+    for the run, and the Trainer accepts its choice."""
+    from jaxpar.planner.auto import resolve_auto
+    heads = ["model.n_heads=8", "model.n_kv_heads=8"]
+    cfg = load_config("configs/long_context.yaml", ["mesh.context=1", *heads])
+    model = ModelDef.from_factory(llama_model_factory(cfg))
+    cluster = load_cluster("cpu8")
+    res = search(cfg, cluster, model)
+    pairs: dict = {}
+    for s in res.ranked:
+        if s.layout.size("context") > 1:
+            same = (tuple(s.layout.mesh.items()), s.layout.remat, s.layout.sequence_parallel, s.layout.zero_stage)
+            pairs.setdefault(same, {})[s.layout.context_strategy] = s
+    both = [p for p in pairs.values() if len(p) == 2]
+    assert both, res.rejected.keys()
+    for p in both:
+        ring, a2a = p["ring"].comm["kinds"], p["all_to_all"].comm["kinds"]
+        assert ring["collective-permute"]["wire_bytes"] > 0 and "all-to-all" not in ring
+        assert a2a["all-to-all"]["wire_bytes"] > 0 and "collective-permute" not in a2a
+    four = search(load_config("configs/long_context.yaml", ["mesh.context=1"]), cluster, model)
+    assert any(r.startswith("context.strategy=all_to_all splits the heads over mesh.context=8")
+               for r in four.rejected), four.rejected.keys()
+    pinned = search(cfg, cluster, model, options_fixed={"context_strategy": "all_to_all"})
+    split = [s for s in pinned.ranked if s.layout.size("context") > 1]
+    assert split and all(s.layout.context_strategy == "all_to_all" for s in split)
+    assert "context.strategy=all_to_all" in split[0].layout.overrides()
+    auto = load_config("configs/long_context.yaml", [*heads, "context.strategy=auto", "checkpoint.enabled=false"])
+    assert auto.auto_fields() == ["context.strategy"]
+    chosen, plan = resolve_auto(auto, 8, log=lambda m: None)
+    assert chosen.context.strategy == plan.layout.context_strategy in ("ring", "all_to_all")
+    assert chosen.mesh.context == 8  # the user's mesh is kept
+    Trainer(chosen, log=lambda m: None)
+
+
 def test_cluster_presets_and_errors(tmp_path):
     assert {"a100_80gb_x8", "h100_80gb_x8", "h200_x8", "tpu_v5p", "cpu8"} <= set(presets())
     c = load_cluster("h100_80gb_x8").with_devices(64)

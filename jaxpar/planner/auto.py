@@ -1,7 +1,8 @@
 """`mesh: auto` (and `sharding.zero_stage`, `sharding.sequence_parallel`, `train.remat`,
-`train.grad_accum: auto`): the planner's best plan for the devices this run finds, taken into the
-config before anything is built. The settings the user gave are kept; the global batch is never
-changed, so an elastic resume on another device count re-plans under the same batch."""
+`train.grad_accum`, `context.strategy: auto`): the planner's best plan for the devices this run
+finds, taken into the config before anything is built. The settings the user gave are kept; the
+global batch is never changed, so an elastic resume on another device count re-plans under the
+same batch."""
 from __future__ import annotations
 
 from typing import Callable
@@ -63,6 +64,8 @@ def resolve_auto(cfg: Config, n_devices: int | None = None, model_factory: Calla
         keep["grad_accum"] = cfg.train.grad_accum
     if "sharding.sequence_parallel" not in auto:
         keep["sequence_parallel"] = cfg.sharding.sequence_parallel
+    if "context.strategy" not in auto:
+        keep["context_strategy"] = cfg.context.strategy
     # plan with concrete placeholders for the auto fields (the search sets its own values)
     raw = cfg.model_dump(mode="json")
     raw["mesh"] = {a: (fixed or {}).get(a, 1) for a in MESH_AXES} | {"dcn": cfg.mesh.dcn}
@@ -70,6 +73,7 @@ def resolve_auto(cfg: Config, n_devices: int | None = None, model_factory: Calla
     raw["train"]["remat"] = keep.get("remat", "none")
     raw["train"]["grad_accum"] = keep.get("grad_accum", 1)
     raw["sharding"]["sequence_parallel"] = keep.get("sequence_parallel", False)
+    raw["context"]["strategy"] = keep.get("context_strategy", "ring")  # the chosen one where context > 1
     base = make_config(raw)
     model = ModelDef.from_factory(model_factory or llama_model_factory(base))
     result = search(base, cluster, model, fixed=fixed, options_fixed=keep)

@@ -20,7 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("--layout", action="extend", nargs="+", default=[], metavar="mesh.x=N",
                    help="score only layouts with these settings (mesh.*, sharding.zero_stage, train.remat, "
                         "train.grad_accum, pipeline.schedule, pipeline.virtual_stages, pipeline.recompute, "
-                        "sharding.sequence_parallel); several after one --layout, or repeated")
+                        "sharding.sequence_parallel, context.strategy); several after one --layout, "
+                        "or repeated")
     p.add_argument("--explain", action="store_true", help="break the best plan into its terms")
     p.add_argument("--json", action="store_true")
     p.add_argument("-o", "--output", default=None, help="calibrate / fit: the cluster file to write")
@@ -29,7 +30,8 @@ def add_parser(sub) -> None:
 
 LAYOUT_KEYS = {"sharding.zero_stage": "zero_stage", "train.remat": "remat", "train.grad_accum": "grad_accum",
                "pipeline.schedule": "schedule", "pipeline.virtual_stages": "virtual_stages",
-               "pipeline.recompute": "recompute", "sharding.sequence_parallel": "sequence_parallel"}
+               "pipeline.recompute": "recompute", "sharding.sequence_parallel": "sequence_parallel",
+               "context.strategy": "context_strategy"}
 FLAGS = ("pipeline.recompute", "sharding.sequence_parallel")  # true / false
 
 
@@ -60,8 +62,10 @@ def _layout_value(key: str, raw: str, value):
     """A pinned step option, checked (one clear error naming what would be valid)."""
     from jaxpar.config import REMAT_POLICIES
     from jaxpar.parallel.pipeline.schedule import SCHEDULES
+    from jaxpar.planner.search import CONTEXT_STRATEGIES
     valid = {"sharding.zero_stage": (0, 1, 2, 3), "train.remat": REMAT_POLICIES,
-             "pipeline.schedule": SCHEDULES, **{k: (False, True) for k in FLAGS}}.get(key)
+             "pipeline.schedule": SCHEDULES, "context.strategy": CONTEXT_STRATEGIES,
+             **{k: (False, True) for k in FLAGS}}.get(key)
     flag = key in FLAGS
     if valid is not None and (value not in valid or isinstance(value, bool) != flag):
         names = "true, false" if flag else ", ".join(map(str, valid))

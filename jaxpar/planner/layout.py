@@ -25,6 +25,7 @@ class Layout:
     recompute: bool = False          # pipeline.recompute
     dcn: dict[str, int] = field(default_factory=dict)  # the across-hosts part of each axis
     sequence_parallel: bool = False  # sharding.sequence_parallel (used when mesh.tensor > 1)
+    context_strategy: str = "ring"   # context.strategy (used when mesh.context > 1)
 
     @property
     def micro(self) -> int:
@@ -47,6 +48,8 @@ class Layout:
             out += [f"pipeline.schedule={self.schedule}", f"pipeline.virtual_stages={self.virtual_stages}",
                     f"pipeline.microbatches={self.microbatches or 'null'}",
                     f"pipeline.recompute={str(self.recompute).lower()}"]
+        if self.size("context") > 1:
+            out.append(f"context.strategy={self.context_strategy}")
         if any(n > 1 for n in self.dcn.values()):
             out.append("mesh.dcn={" + ",".join(f"{a}: {n}" for a, n in self.dcn.items() if n > 1) + "}")
         return out
@@ -59,6 +62,7 @@ class Layout:
         mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "1 device"
         extra = f" zero={self.zero_stage} remat={self.remat} accum={self.grad_accum}"
         extra += " seqpar" if self.sequence_parallel and self.size("tensor") > 1 else ""
+        extra += f" {self.context_strategy}" if self.size("context") > 1 else ""
         if self.size("pipeline") > 1:
             extra += f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else "")
             extra += " recompute" if self.recompute else ""
@@ -72,7 +76,8 @@ class Layout:
         t = cfg.train
         return cls({a: sizes[a] for a in MESH_AXES}, cfg.sharding.zero_stage, t.remat, t.grad_accum,
                    cfg.pipeline.schedule, cfg.pipeline.virtual_stages, cfg.pipeline.microbatches,
-                   cfg.pipeline.recompute, dict(cfg.mesh.dcn), cfg.sharding.sequence_parallel is True)
+                   cfg.pipeline.recompute, dict(cfg.mesh.dcn), cfg.sharding.sequence_parallel is True,
+                   cfg.context.strategy if cfg.context.strategy != "auto" else "ring")
 
 
 def abstract_plan(cfg: Config, layout: Layout) -> Plan:

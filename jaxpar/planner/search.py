@@ -2,6 +2,7 @@
 config checks give (or the memory budget), and rank the rest by predicted step time."""
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +25,10 @@ REMATS = ("none", "dots_saveable", "full")  # searched; --layout may pin any of 
 # forward's residuals): its bubble is a third of 1f1b's, paid for with the cotangents Bx keeps
 # for W (memory.w_kept_bytes)
 PIPELINE_OPTIONS = ("schedule", "virtual_stages")
+# where mesh.context > 1 both strategies are searched: they compute the same attention, ring with
+# K/V chunks passed around (C - 1 hops a pass), all_to_all with q, k, v and the output resharded
+# to a head split (heads and KV heads must divide by context x tensor)
+CONTEXT_STRATEGIES = ("ring", "all_to_all")
 # sequence parallelism is searched where mesh.tensor > 1: a tensor-th of the residual stream's
 # activations for more bytes in the tensor collectives (the backward gathers the norm outputs
 # again; XLA:CPU has no reduce-scatter: all-reduce, then a slice), so it wins where memory binds
@@ -95,13 +100,14 @@ def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None 
     # the config as the layout runs it: the same for every mesh, made once per option set (the
     # configs one search passes differ only in sharding.sequence_parallel)
     opts = ("config", cfg.sharding.sequence_parallel, layout.grad_accum, layout.remat, layout.schedule,
-            layout.recompute, layout.virtual_stages, layout.microbatches)
+            layout.recompute, layout.virtual_stages, layout.microbatches, layout.context_strategy)
     if opts not in cache:
         t = cfg.train.model_copy(update={"grad_accum": layout.grad_accum, "remat": layout.remat})
         pipe = cfg.pipeline.model_copy(update={"schedule": layout.schedule, "recompute": layout.recompute,
                                                "virtual_stages": layout.virtual_stages,
                                                "microbatches": layout.microbatches})
-        cache[opts] = cfg.model_copy(update={"train": t, "pipeline": pipe})
+        ctx = cfg.context.model_copy(update={"strategy": layout.context_strategy})
+        cache[opts] = cfg.model_copy(update={"train": t, "pipeline": pipe, "context": ctx})
     c = cache[opts]
     plan = abstract_plan(c, layout)
     try:
@@ -110,7 +116,7 @@ def check(cfg: Config, layout: Layout, model, platform: str, cache: dict | None 
     except ConfigError as e:
         return str(e)
     key = (tuple(layout.mesh.values()), layout.zero_stage)
-    if key not in cache:
+    if key not in cache:  # the params' specs: the same under either context strategy
         cache[key] = _replication(plan, model, np.dtype(DTYPES[cfg.train.param_dtype]).itemsize)
     return cache[key]
 
@@ -136,7 +142,8 @@ def options(cfg: Config, mesh: dict[str, int], pin: dict | None = None):
     options the user fixed (--layout); they replace the searched range, so a value the search
     would not try (ZeRO-1 without an fsdp axis, as one device's config has it, or the
     dots_with_no_batch_dims_saveable policy) is still scored. Pinned pipeline options skip
-    meshes without a pipeline."""
+    meshes without a pipeline; a pinned context strategy (like sequence parallelism) applies
+    where its axis is above 1."""
     pin = pin or {}
     m, t = cfg.model, cfg.train
     dp = math.prod(mesh.get(a, 1) for a in cfg.sharding.resolved_rules().get("batch", ()))
@@ -152,23 +159,27 @@ def options(cfg: Config, mesh: dict[str, int], pin: dict | None = None):
         return
     sps = ((pin["sequence_parallel"],) if "sequence_parallel" in pin
            else (False, True) if mesh.get("tensor", 1) > 1 else (False,))
-    for zero in stages:
-        for remat in remats:
-            for accum in accums:
-                for sp in sps:
-                    if p == 1:
-                        yield dict(zero_stage=zero, remat=remat, grad_accum=accum, sequence_parallel=sp)
-                        continue
-                    for sched in schedules:
-                        v = pin.get("virtual_stages", 2 if sched == "interleaved_1f1b" else 1)
-                        if v > 1 and m.n_layers % (p * v):
-                            continue
-                        recomputes = (False,) if sched in SPLIT else (False, True)
-                        if "recompute" in pin:
-                            recomputes = tuple(r for r in recomputes if r == pin["recompute"])
-                        for recompute in recomputes:
-                            yield dict(zero_stage=zero, remat=remat, grad_accum=accum, schedule=sched,
-                                       virtual_stages=v, recompute=recompute, sequence_parallel=sp)
+    strategies = ((pin["context_strategy"],) if "context_strategy" in pin
+                  else CONTEXT_STRATEGIES if mesh.get("context", 1) > 1 else ("ring",))
+    for zero, remat, accum, sp, cs in itertools.product(stages, remats, accums, sps, strategies):
+        step = dict(zero_stage=zero, remat=remat, grad_accum=accum, sequence_parallel=sp, context_strategy=cs)
+        yield from _pipeline_options(m, p, pin, schedules, step)
+
+
+def _pipeline_options(m, p: int, pin: dict, schedules, step: dict):
+    """`step` as is without a pipeline; with one, each schedule (and recompute) to try."""
+    if p == 1:
+        yield step
+        return
+    for sched in schedules:
+        v = pin.get("virtual_stages", 2 if sched == "interleaved_1f1b" else 1)
+        if v > 1 and m.n_layers % (p * v):
+            continue
+        recomputes = (False,) if sched in SPLIT else (False, True)
+        if "recompute" in pin:
+            recomputes = tuple(r for r in recomputes if r == pin["recompute"])
+        for recompute in recomputes:
+            yield dict(step, schedule=sched, virtual_stages=v, recompute=recompute)
 
 
 def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None = None,
@@ -184,10 +195,14 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
     state_cache: dict = {}
     check_cache: dict = {}
     sync_cache: dict = {}
-    # the config as each layout runs it: with and without sequence parallelism (its one setting
-    # outside the mesh and the step options that the cost model reads from the config)
-    with_sp = {sp: cfg.model_copy(update={"sharding": cfg.sharding.model_copy(
-        update={"sequence_parallel": sp})}) for sp in (False, True)}
+    # the config as each layout runs it: with and without sequence parallelism, under each
+    # context strategy (its settings outside the mesh and the step options that the cost model
+    # reads from the config)
+    variants = {(sp, cs): cfg.model_copy(update={
+        "sharding": cfg.sharding.model_copy(update={"sequence_parallel": sp}),
+        "context": cfg.context.model_copy(update={"strategy": cs})})
+        for sp in (False, True) for cs in CONTEXT_STRATEGIES}
+    meshes_with_options = meshes_past_checks = 0
     for mesh in mesh_shapes(cluster.devices, axes):
         if fixed and any(mesh.get(a, 1) != n for a, n in fixed.items()):
             continue
@@ -201,10 +216,12 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
             result.rejected.setdefault(reason, []).append(family)
             result.considered += 1
             continue
+        meshes_past_checks += 1
+        before = result.considered
         for opt in options(cfg, mesh, options_fixed):
             layout = Layout(mesh, dcn=dcn, **opt)
             result.considered += 1
-            c = with_sp[layout.sequence_parallel]
+            c = variants[layout.sequence_parallel, layout.context_strategy]
             reason = check(c, layout, model, cluster.platform, check_cache)
             if reason is not None:
                 result.rejected.setdefault(reason, []).append(layout)
@@ -222,7 +239,8 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
                                     cluster.platform, clock)
             result.ranked.append(Scored(layout, mem, comm, step_time(c, layout, model, cluster, comm,
                                                                    state_cache[key], clock)))
-    if not result.considered:
+        meshes_with_options += result.considered > before
+    if not result.considered or (meshes_past_checks and not meshes_with_options):  # none left to score
         sizes = " ".join(f"mesh.{a}={n}" for a, n in (fixed or {}).items()) or "(none)"
         piped = any(k in (options_fixed or {}) for k in PIPELINE_OPTIONS)
         result.note = (f"no mesh of {cluster.devices} devices has the fixed sizes {sizes}"
