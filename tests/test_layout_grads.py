@@ -51,6 +51,9 @@ LAYOUTS = {  # name: (reference, overrides)
     # each device holds half of every sequence: the router's per-sequence statistics (load
     # balance, z loss, load) are summed over context (nn.sequence_sum) before they are divided
     "moe-dropless-dp2-cp2-ep2": (MOE_DROPLESS, ["mesh.data=2", "mesh.context=2", "mesh.expert=2"]),
+    # capacity beside context: which assignments drop is decided in the whole sequence's order
+    # (each device's runs counted after every earlier run's, all devices': parallel/expert.py)
+    "moe-capacity-dp2-cp2-ep2": (MOE, ["mesh.data=2", "mesh.context=2", "mesh.expert=2"]),
 }
 # Pipelines: tests/test_pipeline.py compares every schedule's gradients the same way; local SGD
 # with sync_every 1 equals plain data parallelism bit for bit (tests/test_numerics.py).

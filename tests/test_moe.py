@@ -143,7 +143,7 @@ def test_dropped_tokens_follow_capacity_rule():
     idx = np.asarray(jax.lax.top_k(logits, k)[1])
     cap = capacity(S_, k, n, 0.75)
     assert cap == 6
-    slot, keep = capacity_slots(jnp.asarray(idx), n, cap)
+    slot, keep, _ = capacity_slots(jnp.asarray(idx), n, cap)
     expected = numpy_capacity_keep(idx, n, cap)
     assert 0 < (~expected).sum() < expected.size  # some, not all, dropped
     np.testing.assert_array_equal(np.asarray(keep), expected)
@@ -408,7 +408,8 @@ def test_padding_takes_no_capacity_slots():
     valid[0, 10:] = False  # padding at the end of a row
     valid[1, ::4] = False  # closing EOS inside a row
     valid[2, :] = False
-    slot, keep = jax.jit(capacity_slots, static_argnums=(1, 2))(jnp.asarray(idx), n, cap, jnp.asarray(valid))
+    slots = jax.jit(capacity_slots, static_argnums=(1, 2))
+    slot, keep, _ = slots(jnp.asarray(idx), n, cap, jnp.asarray(valid))
     ref_slot, ref_keep = numpy_capacity_slots(idx, n, cap, valid)
     np.testing.assert_array_equal(np.asarray(keep), ref_keep)
     np.testing.assert_array_equal(np.asarray(slot), ref_slot)

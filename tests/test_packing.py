@@ -297,7 +297,9 @@ def test_packed_moe_router_counts_only_real_tokens_and_equals_one_device(corpus,
     token_weights): the step's router losses and dropped fraction are the model's own over the
     packed rows with their weights (not over every token: padding takes no expert capacity), and
     data=2 x expert=4 gives the one-device loss, router losses, dropped fraction and gradients
-    (these statistics are per sequence, and a sequence is a whole row everywhere)."""
+    (these statistics are per sequence, and a sequence is a whole row everywhere); so does data=2
+    x context=2 x expert=2 at capacity factor 0.5, where each device holds two runs of every row
+    and which assignments drop is decided in the whole row's order (parallel/expert.py)."""
     path, _ = corpus
     moe = ("model.preset=moe_tiny", "model.n_layers=2")
     one = Trainer(packed_cfg(path, *moe, "mesh.data=1"), devices=devices[:1], log=QUIET)
@@ -322,7 +324,20 @@ def test_packed_moe_router_counts_only_real_tokens_and_equals_one_device(corpus,
 
     ep = Trainer(packed_cfg(path, *moe, "mesh.data=2", "mesh.expert=4"), devices=devices, log=QUIET)
     _, got = ep.make_step(return_grads=True)(ep.init_state(), place_batch(ep, rows))
-    got = to_numpy(got)
+    _assert_same_moe_step(to_numpy(got), ref)
+
+    half = ("model.moe.capacity_factor=0.5",)
+    one = Trainer(packed_cfg(path, *moe, *half, "mesh.data=1"), devices=devices[:1], log=QUIET)
+    _, ref = one.make_step(return_grads=True)(one.init_state(), place_batch(one, rows))
+    ref = to_numpy(ref)
+    assert float(ref["moe/dropped_fraction"]) > 0.3
+    split = ("mesh.data=2", "mesh.context=2", "mesh.expert=2")
+    cp = Trainer(packed_cfg(path, *moe, *half, *split), devices=devices, log=QUIET)
+    _, got = cp.make_step(return_grads=True)(cp.init_state(), place_batch(cp, rows))
+    _assert_same_moe_step(to_numpy(got), ref)
+
+
+def _assert_same_moe_step(got: dict, ref: dict) -> None:
     for key in ("loss", "aux_loss", "moe/load_balance_loss", "moe/z_loss", "moe/load/0", "moe/dropped_fraction"):
         assert float(got[key]) == pytest.approx(float(ref[key]), rel=1e-5), key
     errs = jax.tree.map(lambda g, r: float(np.abs(g - r).max() / (np.abs(r).max() + 1e-12)),

@@ -141,6 +141,25 @@ class ContextParallel:
             return None
         return lambda x: jax.lax.psum(x, AXIS)
 
+    @property
+    def runs(self) -> int:
+        """Runs of consecutive tokens each device holds of a sequence (zigzag: 2)."""
+        return 2 if self.layout == "zigzag" else 1
+
+    def runs_before(self, counts: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """counts [runs, ...]: a count per run of tokens this device holds (its layout's runs, in
+        its local order) -> (the sum of the counts of every run earlier in the sequence, over all
+        devices, per local run [runs, ...]; the sum over the whole sequence [...]). Inside the
+        step's shard_map: one all_gather over `context` (MoE's capacity order, expert.py)."""
+        gathered = jax.lax.all_gather(counts, AXIS, axis=0, tiled=True)  # [size * runs, ...], device-major
+        # a sequence of one token per run: chunk_starts gives each run's index in the sequence
+        n = 2 * self.size if self.layout == "zigzag" else self.size
+        order = np.asarray([s for d in range(self.size) for s in chunk_starts(self.layout, self.size, n, d)])
+        by_seq = jnp.zeros_like(gathered).at[order].set(gathered)
+        before = jnp.cumsum(by_seq, axis=0) - by_seq
+        mine = jnp.stack(chunk_starts(self.layout, self.size, n, jax.lax.axis_index(AXIS)))
+        return jnp.take(before, mine, axis=0), by_seq.sum(0)
+
     def attention(self) -> Callable | None:
         """The nn.Context.attention hook (None: attention on this device)."""
         if self.size == 1:
@@ -192,12 +211,6 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
             f"positions), and a context strategy's ring / all-to-all would run inside each stage's "
             f"branch of the timetable, where the other stages never join its rendezvous; use "
             f"mesh.pipeline=1 or mesh.context=1")
-    if check_model and m.moe.num_experts and m.moe.dispatch == "capacity":
-        raise ConfigError(
-            f"mesh.context={c} with model.moe.dispatch=capacity: capacity drops a sequence's "
-            f"overflowing assignments in position order across the whole sequence, which no device "
-            f"holds; use model.moe.dispatch=dropless (the router losses and load are summed over "
-            f"context), or mesh.context=1")
     if ctx.strategy == "ring" and m.attention == "cudnn":
         raise ConfigError(
             f"model.attention=cudnn does not run inside context.strategy=ring (mesh.context={c}): the "

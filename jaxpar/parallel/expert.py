@@ -51,9 +51,13 @@ def capacity(seq_len: int, top_k: int, num_experts: int, factor: float) -> int:
 
 
 def capacity_slots(expert_idx: jax.Array, num_experts: int, cap: int,
-                   valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """expert_idx [G, S, k] -> (slot [G, S, k] in [0, E*cap], E*cap meaning dropped; keep [G, S, k]).
-    `valid` [G, S] bool: only these tokens take slots (the others get E*cap and keep False)."""
+                   valid: jax.Array | None = None, sequence=None) -> tuple[jax.Array, jax.Array, int]:
+    """expert_idx [G, S, k] -> (slot [G, S, k] in [0, E*C], E*C meaning dropped; keep [G, S, k];
+    C, the buffer's slots per expert). `valid` [G, S] bool: only these tokens take slots (the
+    others get E*C and keep False). `sequence` (parallel/context.ContextParallel, size > 1):
+    the tokens are this device's runs of each sequence; see `_context_keep`."""
+    if sequence is not None:
+        return _context_slots(expert_idx, num_experts, cap, valid, sequence)
     G, S, k = expert_idx.shape
     order = jnp.swapaxes(expert_idx, 1, 2).reshape(G, k * S)          # priority: choice-major
     onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)      # [G, kS, E]
@@ -64,18 +68,52 @@ def capacity_slots(expert_idx: jax.Array, num_experts: int, cap: int,
     keep = pos < cap
     if valid is not None:
         keep = keep & valid[..., None]
-    return jnp.where(keep, expert_idx * cap + pos, num_experts * cap), keep
+    return jnp.where(keep, expert_idx * cap + pos, num_experts * cap), keep, cap
 
 
-def dropped_fraction(keep: jax.Array, valid: jax.Array | None) -> jax.Array:
+def _context_slots(expert_idx, num_experts: int, cap: int, valid, sequence):
+    """Capacity under context parallelism: which assignments stay is decided in the whole
+    sequence's priority order (choice-major, then position), as on one device. Each device counts
+    its runs' assignments per choice and expert; one all_gather over `context` gives the counts
+    of every earlier run (ContextParallel.runs_before) and of every earlier choice, so each
+    assignment's position in its expert's queue is exact, and it stays if that is below `cap`.
+    The experts then see only this device's kept assignments: a buffer of C = min(cap, S k)
+    slots per expert (its own S k assignments at most), filled in local order; an expert's
+    output is per token, so the slot a token takes does not change it."""
+    G, S, k = expert_idx.shape
+    E, R = num_experts, sequence.runs
+    onehot = jax.nn.one_hot(jnp.swapaxes(expert_idx, 1, 2), E, dtype=jnp.int32)    # [G, k, S, E]
+    if valid is not None:
+        onehot = onehot * valid[:, None, :, None].astype(jnp.int32)
+    runs = onehot.reshape(G, k, R, S // R, E)
+    counts = runs.sum(3)                                                            # [G, k, R, E]
+    before, total = sequence.runs_before(jnp.moveaxis(counts, 2, 0))              # [R, G, k, E], [G, k, E]
+    earlier_choices = jnp.cumsum(total, axis=1) - total                             # [G, k, E]
+    queue = (jnp.cumsum(runs, axis=3) - 1 + jnp.moveaxis(before, 0, 2)[:, :, :, None]
+             + earlier_choices[:, :, None, None])                                   # [G, k, R, n, E]
+    order = jnp.swapaxes(expert_idx, 1, 2)                                          # [G, k, S]
+    pos = jnp.take_along_axis(queue.reshape(G, k, S, E), order[..., None], axis=3)[..., 0]
+    keep = jnp.swapaxes(pos < cap, 1, 2)                                            # [G, S, k]
+    if valid is not None:
+        keep = keep & valid[..., None]
+    local = min(cap, S * k)
+    mine = jax.nn.one_hot(order, E, dtype=jnp.int32) * jnp.swapaxes(keep, 1, 2)[..., None].astype(jnp.int32)
+    slot = jnp.take_along_axis(jnp.cumsum(mine.reshape(G, k * S, E), axis=1) - 1,
+                               order.reshape(G, k * S)[..., None], axis=2)[..., 0]
+    slot = jnp.swapaxes(slot.reshape(G, k, S), 1, 2)
+    return jnp.where(keep, expert_idx * local + slot, E * local), keep, local
+
+
+def dropped_fraction(keep: jax.Array, valid: jax.Array | None, sequence_sum=lambda x: x) -> jax.Array:
     """Dropped share of the valid (token, choice) assignments: per sequence, averaged over
     sequences (a sequence with no valid token counts 0), so that every split of the batch
-    averages to the one-device value; without `valid`, of all assignments."""
-    if valid is None:
-        return 1.0 - keep.mean(dtype=jnp.float32)
+    averages to the one-device value; without `valid`, of all assignments. `sequence_sum`: a
+    per-sequence count over this device's tokens -> over the whole sequence (context)."""
     k = keep.shape[-1]
-    n = valid.sum(axis=1, dtype=jnp.float32) * k                      # [G] valid assignments
-    kept = keep.sum(axis=(1, 2), dtype=jnp.float32)
+    if valid is None:
+        valid = jnp.ones(keep.shape[:2], bool)
+    n = sequence_sum(valid.sum(axis=1, dtype=jnp.float32) * k)        # [G] valid assignments
+    kept = sequence_sum(keep.sum(axis=(1, 2), dtype=jnp.float32))
     return jnp.where(n > 0, 1.0 - kept / jnp.maximum(n, 1.0), 0.0).mean()
 
 
@@ -96,9 +134,9 @@ def _combine(buf: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
     return jnp.einsum("gskd,gsk->gsd", picked, gates.astype(buf.dtype))
 
 
-def _capacity_moe(x, expert_idx, gates, ffn, E, cap, axis, ep, valid=None):
+def _capacity_moe(x, expert_idx, gates, ffn, E, cap, axis, ep, valid=None, sequence=None):
     G, S, D = x.shape
-    slot, keep = capacity_slots(expert_idx, E, cap, valid)
+    slot, keep, cap = capacity_slots(expert_idx, E, cap, valid, sequence)
     buf = _dispatch(x, slot, E * cap).reshape(G, E, cap, D)
     if axis is not None:  # [G, E, C, D] -> [G, ep (source), E/ep, C, D] holding my experts' slots
         buf = jax.lax.all_to_all(buf, axis, 1, 1, tiled=True)
@@ -108,7 +146,7 @@ def _capacity_moe(x, expert_idx, gates, ffn, E, cap, axis, ep, valid=None):
     if axis is not None:
         y = jax.lax.all_to_all(y, axis, 1, 1, tiled=True)
     out = _combine(y.reshape(G, E * cap, D), slot, gates)
-    return out, dropped_fraction(keep, valid)
+    return out, dropped_fraction(keep, valid, *(() if sequence is None else (sequence.sequence_sum(),)))
 
 
 def _sort_rows(ids: jax.Array, rows: jax.Array, n_groups: int):
@@ -153,21 +191,23 @@ def _dropless_moe(x, expert_idx, gates, ragged_ffn, E, axis, ep):
 def moe_apply(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callable, ragged_ffn: Callable,
               *, num_experts: int, dispatch: str = "capacity", capacity_factor: float = 1.25,
               token_weights: jax.Array | None = None, axis: str | None = None,
-              axis_size: int = 1) -> tuple[jax.Array, jax.Array]:
+              axis_size: int = 1, sequence=None) -> tuple[jax.Array, jax.Array]:
     """The MoE MLP of x [G, S, D] (see the module doc): returns (y [G, S, D], dropped fraction).
 
     `token_weights` [G, S]: tokens of weight 0 are not routed (no slot, output 0, not in the
     dropped fraction); None: every token is. With `axis` (a manual mesh axis of `axis_size`
     devices), this device holds experts [i * E/ep, (i+1) * E/ep) for its index i on `axis`, and
-    tokens travel by all_to_all."""
+    tokens travel by all_to_all. `sequence` (parallel/context.ContextParallel of size > 1): x
+    holds this device's part of each sequence; capacity counts the whole sequence."""
     if axis is not None and axis_size == 1:
         axis = None
     if num_experts % axis_size:
         raise ConfigError(f"num_experts={num_experts} is not divisible by the {axis} axis ({axis_size})")
     valid = None if token_weights is None else token_weights > 0
     if dispatch == "capacity":
-        cap = capacity(x.shape[1], expert_idx.shape[-1], num_experts, capacity_factor)
-        return _capacity_moe(x, expert_idx, gates, ffn, num_experts, cap, axis, axis_size, valid)
+        seq = x.shape[1] * (sequence.size if sequence is not None else 1)
+        cap = capacity(seq, expert_idx.shape[-1], num_experts, capacity_factor)
+        return _capacity_moe(x, expert_idx, gates, ffn, num_experts, cap, axis, axis_size, valid, sequence)
     if dispatch == "dropless":
         if valid is not None:  # computed (fixed shapes) but not combined
             gates = jnp.where(valid[..., None], gates, jnp.zeros_like(gates))
@@ -178,13 +218,15 @@ def moe_apply(x: jax.Array, expert_idx: jax.Array, gates: jax.Array, ffn: Callab
 nn.set_default_experts(moe_apply)  # what nn.experts runs outside a step: all experts local
 
 
-def expert_hook(plan, manual: frozenset[str]) -> Callable:
+def expert_hook(plan, manual: frozenset[str], sequence=None) -> Callable:
     """The nn.Context `experts` hook for code inside a shard_map manual over `manual`: all_to_all
-    over `expert` when that axis is manual and larger than 1; all experts local otherwise."""
+    over `expert` when that axis is manual and larger than 1; all experts local otherwise.
+    `sequence`: the step's context split (parallel/context.ContextParallel) when its size is > 1."""
     n = plan.mesh.shape.get(EXPERT_AXIS, 1)
+    split = {} if sequence is None or sequence.size == 1 else {"sequence": sequence}
     if EXPERT_AXIS not in manual or n == 1:
-        return moe_apply
-    return functools.partial(moe_apply, axis=EXPERT_AXIS, axis_size=n)
+        return functools.partial(moe_apply, **split) if split else moe_apply
+    return functools.partial(moe_apply, axis=EXPERT_AXIS, axis_size=n, **split)
 
 
 def check_layout(model_cfg, mesh_shape: dict[str, int]) -> None:

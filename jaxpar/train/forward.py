@@ -48,7 +48,7 @@ def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dt
     head = (lambda x, w: DeferredLogits(x, w, loss_chunk)) if loss_chunk else None
     cp = make_context(plan, context, manual)
     ctx = nn.Context(constrain=activation_constrainer(plan, manual), spec=activation_spec(plan, manual),
-                     experts=expert_hook(plan, manual),
+                     experts=expert_hook(plan, manual, cp),
                      layer_params=lambda st: prepare(st, stacked=True), remat=remat,
                      never_save=(GATHERED,) if plan.zero_stage >= 3 else (), head=head,
                      attention=cp.attention(), sequence_sum=cp.sequence_sum())
