@@ -295,6 +295,20 @@ def test_bad_layouts_raise_one_clear_error(overrides, words, devices):
         assert w in str(err.value), (w, str(err.value))
 
 
+def test_capacity_moe_splits_each_experts_slots_over_context(devices):
+    """Beside context, capacity MoE's slots are the whole sequence's, split C ways over the
+    devices (parallel/expert._capacity_moe) rather than every device running every expert on
+    the whole sequence's capacity: the step at data 2 x context 4 costs no more FLOPs per device
+    than data 8 does for the same tokens per device (2.43e8 against 1.48e8 with the slots
+    unsplit, 9.85e7 split: 2026-12-07). Its gradients equal one device's in
+    tests/test_layout_grads.py and tests/test_packing.py."""
+    def flops(*overrides):
+        cfg = tiny_config("model.preset=moe_tiny", "model.n_layers=2", "train.seq_len=256", *overrides)
+        cost = Trainer(cfg, devices=devices, log=lambda s: None).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert flops("mesh.data=2", "mesh.context=4") <= flops("mesh.data=8")
+
+
 def test_ring_refuses_cudnn():
     """On a GPU too (the layout check, before the device check that catches cudnn on CPU first)."""
     from jaxpar.parallel.context import check_layout

@@ -76,10 +76,9 @@ def _context_slots(expert_idx, num_experts: int, cap: int, valid, sequence):
     sequence's priority order (choice-major, then position), as on one device. Each device counts
     its runs' assignments per choice and expert; one all_gather over `context` gives the counts
     of every earlier run (ContextParallel.runs_before) and of every earlier choice, so each
-    assignment's position in its expert's queue is exact, and it stays if that is below `cap`.
-    The experts then see only this device's kept assignments: a buffer of C = min(cap, S k)
-    slots per expert (its own S k assignments at most), filled in local order; an expert's
-    output is per token, so the slot a token takes does not change it."""
+    assignment's position in its expert's queue is exact: its slot there, kept if below `cap`.
+    The slots per expert are padded to a multiple of the context size (C: what `_capacity_moe`
+    splits over the devices; the padding is never filled)."""
     G, S, k = expert_idx.shape
     E, R = num_experts, sequence.runs
     onehot = jax.nn.one_hot(jnp.swapaxes(expert_idx, 1, 2), E, dtype=jnp.int32)    # [G, k, S, E]
@@ -93,15 +92,12 @@ def _context_slots(expert_idx, num_experts: int, cap: int, valid, sequence):
              + earlier_choices[:, :, None, None])                                   # [G, k, R, n, E]
     order = jnp.swapaxes(expert_idx, 1, 2)                                          # [G, k, S]
     pos = jnp.take_along_axis(queue.reshape(G, k, S, E), order[..., None], axis=3)[..., 0]
-    keep = jnp.swapaxes(pos < cap, 1, 2)                                            # [G, S, k]
+    pos = jnp.swapaxes(pos, 1, 2)                                                   # [G, S, k]
+    keep = pos < cap
     if valid is not None:
         keep = keep & valid[..., None]
-    local = min(cap, S * k)
-    mine = jax.nn.one_hot(order, E, dtype=jnp.int32) * jnp.swapaxes(keep, 1, 2)[..., None].astype(jnp.int32)
-    slot = jnp.take_along_axis(jnp.cumsum(mine.reshape(G, k * S, E), axis=1) - 1,
-                               order.reshape(G, k * S)[..., None], axis=2)[..., 0]
-    slot = jnp.swapaxes(slot.reshape(G, k, S), 1, 2)
-    return jnp.where(keep, expert_idx * local + slot, E * local), keep, local
+    slots = -(-cap // sequence.size) * sequence.size
+    return jnp.where(keep, expert_idx * slots + pos, E * slots), keep, slots
 
 
 def dropped_fraction(keep: jax.Array, valid: jax.Array | None, sequence_sum=lambda x: x) -> jax.Array:
@@ -135,18 +131,34 @@ def _combine(buf: jax.Array, slot: jax.Array, gates: jax.Array) -> jax.Array:
 
 
 def _capacity_moe(x, expert_idx, gates, ffn, E, cap, axis, ep, valid=None, sequence=None):
+    """Under context parallelism (`sequence`) the slots are the whole sequence's: each device
+    fills those of its own kept assignments, and the devices split every expert's slots C ways
+    (ContextParallel.own_part: an all_to_all, each slot filled on one device only) to run the
+    experts on 1/C of them, then put the outputs back together (all_parts) for the combine."""
     G, S, D = x.shape
     slot, keep, cap = capacity_slots(expert_idx, E, cap, valid, sequence)
     buf = _dispatch(x, slot, E * cap).reshape(G, E, cap, D)
-    if axis is not None:  # [G, E, C, D] -> [G, ep (source), E/ep, C, D] holding my experts' slots
+    if sequence is not None:
+        buf = sequence.own_part(buf, axis=2)                                        # [G, E, cap / C, D]
+    y = _run_experts(buf, ffn, axis, ep)
+    if sequence is not None:
+        y = sequence.all_parts(y, axis=2)
+    out = _combine(y.reshape(G, E * cap, D), slot, gates)
+    return out, dropped_fraction(keep, valid, *(() if sequence is None else (sequence.sequence_sum(),)))
+
+
+def _run_experts(buf: jax.Array, ffn: Callable, axis: str | None, ep: int) -> jax.Array:
+    """buf [G, E, c, D] of slots -> the experts' outputs, alike. Over `axis` (expert
+    parallelism) each device runs its E/ep experts on every device's slots for them."""
+    G, E, cap, D = buf.shape
+    if axis is not None:  # [G, E, c, D] -> [G, ep (source), E/ep, c, D] holding my experts' slots
         buf = jax.lax.all_to_all(buf, axis, 1, 1, tiled=True)
     src = ep if axis is not None else 1
     h = buf.reshape(G, src, E // src, cap, D).transpose(2, 0, 1, 3, 4).reshape(E // src, G * src * cap, D)
     y = ffn(h).reshape(E // src, G, src, cap, D).transpose(1, 2, 0, 3, 4).reshape(G, E, cap, D)
     if axis is not None:
         y = jax.lax.all_to_all(y, axis, 1, 1, tiled=True)
-    out = _combine(y.reshape(G, E * cap, D), slot, gates)
-    return out, dropped_fraction(keep, valid, *(() if sequence is None else (sequence.sequence_sum(),)))
+    return y
 
 
 def _sort_rows(ids: jax.Array, rows: jax.Array, n_groups: int):
