@@ -31,7 +31,8 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
   context         ring: per layer and microbatch the collective-permutes of the K and V chunks
                   (C-1 hops forward, C-1 backward) and of their float32 gradients (C hops);
                   all_to_all: per layer 4 all-to-alls forward (q, k, v to a head split, the
-                  output back) and 4 backward. The gradients are all-reduced over context too
+                  output back) and 4 backward. Capacity MoE: per MoE layer 2 all-to-alls a pass
+                  of every expert's slots for the whole sequences (split over context, put back). The gradients are all-reduced over context too
                   (every device computed a part of each sequence's loss)
 """
 from __future__ import annotations
@@ -316,5 +317,13 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
             q = tokens * m.n_heads * hd / tp
             for x in (q, kv, kv, q):  # q, k, v to the head split; the output back
                 add_op(out, "all-to-all", x * c, cp, passes * micro * layers, c_link)
+        if m.moe.num_experts and m.moe.dispatch == "capacity":
+            # each expert's slots for the whole sequence split C ways and put back together
+            # (parallel/expert._capacity_moe): two all-to-alls of [seqs, E, slots, D] a pass
+            from jaxpar.parallel.expert import capacity
+            slots = -(-capacity(t.seq_len, m.moe.top_k, m.moe.num_experts, m.moe.capacity_factor) // cp) * cp
+            seqs = tokens * cp / t.seq_len
+            add_op(out, "all-to-all", seqs * m.moe.num_experts * slots * m.dim * c, cp,
+                   2 * passes * micro * layers / m.moe.every_n, c_link)
         purpose["context"] = sum(r["wire_bytes"] for r in out.values()) - before
     return {"kinds": out, "purpose": purpose, "sync": own.describe() if own is not None else "psum"}
