@@ -32,8 +32,9 @@ reduce-scatter (N-1)/N S_in,  all-to-all (N-1)/N S,  collective-permute S.
                   (C-1 hops forward, C-1 backward) and of their float32 gradients (C hops);
                   all_to_all: per layer 4 all-to-alls forward (q, k, v to a head split, the
                   output back) and 4 backward. Capacity MoE: per MoE layer 2 all-to-alls a pass
-                  of every expert's slots for the whole sequences (split over context, put back). The gradients are all-reduced over context too
-                  (every device computed a part of each sequence's loss)
+                  of every expert's slots for the whole sequences (split over context, put
+                  back). The gradients are all-reduced over context too (every device computed
+                  a part of each sequence's loss)
 """
 from __future__ import annotations
 
