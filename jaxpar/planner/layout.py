@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import jax
 
 from jaxpar.config import MESH_AXES, Config, make_config
-from jaxpar.sharding import Plan
+from jaxpar.sharding import Plan, entry_axes
 
 SEARCHED_AXES = ("data", "fsdp", "tensor", "pipeline", "expert", "context")  # context: long sequences
 
@@ -97,6 +97,17 @@ def _sorted(items: tuple) -> tuple:
 def _abstract_plan(sizes: tuple, rules: tuple, zero_stage: int, tolerance: float) -> Plan:
     names = tuple(MESH_AXES)
     return Plan(jax.sharding.AbstractMesh(sizes, names), dict(rules), zero_stage, tolerance)
+
+
+def shard_elems(plan: Plan, axes, shape, use: str, skip: tuple[str, ...] = ()) -> int:
+    """Elements per device of an array with logical `axes` under the plan's spec for `use`,
+    not counting the mesh axes in `skip` (("fsdp",) with "act": a ZeRO-3 gather's result)."""
+    spec = plan.spec(axes, shape, use)
+    mesh = plan.mesh.shape
+    n = 1
+    for d, e in zip(shape, (*spec, *(None,) * (len(shape) - len(spec)))):
+        n *= d // math.prod(mesh[a] for a in entry_axes(e) if a not in skip)
+    return n
 
 
 @functools.lru_cache(maxsize=4096)

@@ -59,12 +59,11 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxpar.collectives.reducer import LAYERS
 from jaxpar.config import Config
 from jaxpar.parallel.pipeline.schedule import SPLIT
-from jaxpar.planner.layout import Layout, abstract_plan, timetable
-from jaxpar.collectives.reducer import LAYERS
+from jaxpar.planner.layout import Layout, abstract_plan, shard_elems, timetable
 from jaxpar.planner.sync import planned_sync, state_bytes as sync_state_bytes
-from jaxpar.sharding import Plan, entry_axes
 from jaxpar.train.precision import DTYPES, has_masters
 
 ADAM_TRANSIENT = 1.0     # float32 copies of the optimizer shard Adam's update holds at once
@@ -113,17 +112,6 @@ def state_itemsizes(cfg: Config, grad_accum: int | None = None) -> dict[str, int
     opt = (itemsize(t.master_dtype) if has_masters(t) else 0) + itemsize(cfg.optimizer.mu_dtype) + 4
     grads = 4 if (grad_accum or t.grad_accum) > 1 else itemsize(t.grad_reduce_dtype)
     return {"params": itemsize(t.param_dtype), "grads": grads, "opt_state": opt}
-
-
-def shard_elems(plan: Plan, axes, shape, use: str, skip: tuple[str, ...] = ()) -> int:
-    """Elements per device of an array with logical `axes` under the plan's spec for `use`,
-    not counting the mesh axes in `skip` (("fsdp",) with "act": a ZeRO-3 gather's result)."""
-    spec = plan.spec(axes, shape, use)
-    mesh = plan.mesh.shape
-    n = 1
-    for d, e in zip(shape, (*spec, *(None,) * (len(shape) - len(spec)))):
-        n *= d // math.prod(mesh[a] for a in entry_axes(e) if a not in skip)
-    return n
 
 
 def _leaves(model):

@@ -26,7 +26,7 @@ import jax
 from jaxpar.collectives.local_sgd import LocalSGD
 from jaxpar.collectives.reducer import GradientReducer
 from jaxpar.parallel.sync import GradientSync
-from jaxpar.planner.layout import Layout
+from jaxpar.planner.layout import Layout, shard_elems
 from jaxpar.sharding import Plan
 from jaxpar.train.gradient_sync import make_sync
 from jaxpar.train.precision import DTYPES, has_masters
@@ -86,7 +86,6 @@ def local_sgd_ops(sync: LocalSGD, plan: Plan, model, param_itemsize: int) -> lis
     the update all-gathers the replica's params every step, the average runs on the optimizer's
     shard and the averaged params are all-gathered again (read off the XLA:CPU HLO of data 4 x
     fsdp 2, 2026-12-07)."""
-    from jaxpar.planner.memory import shard_elems
     leaves = list(zip(jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, tuple)),
                       jax.tree.leaves(model.shapes)))
     elems = lambda use: sum(shard_elems(plan, ax, sds.shape, use) for ax, sds in leaves)
