@@ -8,8 +8,9 @@
 Modes (the tiny model with 4 layers, 3 or 4 steps, 8 forced CPU devices, one process a run):
   equal   float32 on a random layout (mesh, ZeRO stage, remat, accumulation, pipeline schedule and
           recompute, context strategy and layout, sequence parallel, XLA or blockwise attention,
-          chunked loss, tied embeddings, dropless MoE with or without a shared expert): the losses
-          of steps 1-3 and the first grad norm equal the data=8 run of the same model
+          chunked loss, tied embeddings, MoE (dropless or capacity, with or without a shared
+          expert; --moe: every run)): the losses of steps 1-3 and the first grad norm equal the
+          data=8 run of the same model
   mixed   the same with bf16/fp16 compute, bf16 params, each compression method and scope, 1-bit
           Adam, local SGD, bf16 moments and reductions, the non-finite guard: trains, finite, its
           step-1 loss (and grad norm, unless the wire is lossier than 16 bits) within 3e-2 of
@@ -52,10 +53,13 @@ LOSS_TOL, NORM_TOL = 1e-4, 1e-3
 MIXED_TOL = 3e-2  # 16-bit compute and params against float32, before any update
 
 
-def model_opts(r: random.Random) -> list[str]:
+def model_opts(r: random.Random, moe: bool = False) -> list[str]:
     out = []
-    if r.random() < 0.3:
-        out += ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.dispatch=dropless"]
+    if moe or r.random() < 0.3:
+        out += ["model.moe.num_experts=4", "model.moe.top_k=2"]
+        # capacity drops per sequence in its priority order on every layout (0.5: about half)
+        out += r.choice([["model.moe.dispatch=dropless"], ["model.moe.dispatch=capacity"],
+                         ["model.moe.dispatch=capacity", "model.moe.capacity_factor=0.5"]])
         if r.random() < 0.3:
             out += ["model.moe.shared_expert=true"]
     if r.random() < 0.25:
@@ -198,13 +202,14 @@ def main(argv=None) -> int:
                     "(pipeline, context, tensor, expert, fsdp); MoE models fall back to the dense layouts")
     ap.add_argument("--compressed", action="store_true", help="every run a compressed reduction, 1-bit "
                     "Adam or local SGD (resume mode: resumed on the same layout, whose state it is)")
+    ap.add_argument("--moe", action="store_true", help="every run a MoE model (dropless or capacity)")
     args = ap.parse_args(argv)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="jaxpar-fuzz-")
     run = Runner(Path(args.work or tmp.name))
     r = random.Random(args.seed)
     jobs = []
     for i in range(args.runs):
-        model = model_opts(r)
+        model = model_opts(r, args.moe)
         moe = any("moe" in o for o in model)
         if args.mode == "resume" and args.compressed:  # its state (residuals, replicas) is the layout's
             a = layout_opts(r, moe, args.mesh_axis) + sync_opts(r, always=True)
