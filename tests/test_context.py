@@ -285,7 +285,8 @@ def test_ring_bytes_match_analytic(ring8):
      ["model.n_kv_heads=2", "mesh.context=4", "context.strategy=ring"]),
     (["mesh.context=2", "mesh.tensor=2", "mesh.data=2", "context.strategy=all_to_all", "model.n_heads=4",
       "model.n_kv_heads=2"], ["model.n_kv_heads=2", "mesh.tensor=2", "by 4"]),
-    (["mesh.context=4", "mesh.pipeline=2"], ["mesh.pipeline=2", "mesh.context=4"]),
+    (["mesh.context=4", "mesh.pipeline=2"], ["context.strategy=ring", "mesh.pipeline=2",
+                                             "context.strategy=all_to_all"]),
 ])
 def test_bad_layouts_raise_one_clear_error(overrides, words, devices):
     with pytest.raises(ConfigError) as err:

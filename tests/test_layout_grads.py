@@ -51,6 +51,15 @@ LAYOUTS = {  # name: (reference, overrides)
     # each device holds half of every sequence: the router's per-sequence statistics (load
     # balance, z loss, load) are summed over context (nn.sequence_sum) before they are divided
     "moe-dropless-dp2-cp2-ep2": (MOE_DROPLESS, ["mesh.data=2", "mesh.context=2", "mesh.expert=2"]),
+    # context beside a pipeline (all_to_all: its collectives run within each stage's context
+    # group; each microbatch's rows split like the step's, parallel/context.split), with tensor,
+    # recompute and remat full; capacity MoE in stages
+    "dp2-pp2-cp2-a2a-zb": (DENSE, ["mesh.data=2", "mesh.pipeline=2", "mesh.context=2",
+                                   "context.strategy=all_to_all", "train.grad_accum=2",
+                                   "pipeline.schedule=zb_h1", "sharding.replicated_tolerance=0.3"]),
+    "moe-dp2-pp2-cp2-a2a": (MOE, ["mesh.data=2", "mesh.pipeline=2", "mesh.context=2",
+                                  "context.strategy=all_to_all", "train.grad_accum=2",
+                                  "sharding.replicated_tolerance=0.3"]),
     # capacity beside context: which assignments drop is decided in the whole sequence's order
     # (each device's runs counted after every earlier run's, all devices': parallel/expert.py)
     "moe-capacity-dp2-cp2-ep2": (MOE, ["mesh.data=2", "mesh.context=2", "mesh.expert=2"]),

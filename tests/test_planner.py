@@ -33,7 +33,7 @@ ZB_FULL = f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.schedule=zb_
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
 # policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16; beside sequence
 # parallelism, and sequence parallelism in a pipeline), context, compressed and local SGD syncs:
-# 35 layouts, one compile each
+# 36 layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
@@ -80,6 +80,9 @@ LAYOUTS = [
     "mesh.data=4 mesh.context=2 context.strategy=all_to_all",
     # capacity MoE beside context: every expert's slots split over context and put back
     f"mesh.data=2 mesh.context=4 model.moe.num_experts=4 {TOL}",
+    # context in a pipeline's stages (all_to_all), a backward tick recomputing its stage
+    f"mesh.data=2 mesh.pipeline=2 mesh.context=2 context.strategy=all_to_all train.grad_accum=2 "
+    f"pipeline.recompute=true {TOL}",
     # the syncs that replace the float32 psum (planner/sync.py): their payloads and state
     "mesh.data=4 mesh.fsdp=2 sharding.zero_stage=1 gradient_compression.method=int8",
     "mesh.data=8 gradient_compression.method=topk gradient_compression.scope=dcn "

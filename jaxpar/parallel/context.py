@@ -218,13 +218,13 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
         raise ConfigError(
             f"train.loss_chunk={t.loss_chunk} must divide the {t.seq_len // c} tokens each context "
             f"device holds (train.seq_len={t.seq_len} / mesh.context={c}); use a divisor of it")
-    if mesh_shape.get("pipeline", 1) > 1:
+    if mesh_shape.get("pipeline", 1) > 1 and ctx.strategy == "ring":
         raise ConfigError(
-            f"mesh.context={c} does not compose with mesh.pipeline={mesh_shape['pipeline']} yet: the "
-            f"pipeline runner feeds each stage whole microbatches (no sequence split, no global "
-            f"positions), and a context strategy's ring / all-to-all would run inside each stage's "
-            f"branch of the timetable, where the other stages never join its rendezvous; use "
-            f"mesh.pipeline=1 or mesh.context=1")
+            f"context.strategy=ring does not compose with mesh.pipeline={mesh_shape['pipeline']}: the "
+            f"ring's collective-permutes would run inside each stage's branch of the timetable, and "
+            f"XLA:CPU's collective-permute waits for every device of the step, which the other "
+            f"stages (in other branches) never join; use context.strategy=all_to_all (its "
+            f"all-to-alls run within each stage's context group), or mesh.pipeline=1")
     if ctx.strategy == "ring" and m.attention == "cudnn":
         raise ConfigError(
             f"model.attention=cudnn does not run inside context.strategy=ring (mesh.context={c}): the "

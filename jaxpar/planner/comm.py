@@ -311,6 +311,8 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
         hd, c_link = m.resolved_head_dim, link(("context",))
         kv = tokens * m.n_kv_heads * hd / tp  # one K (or V) chunk's elements, heads split by tensor
         passes = 3 if layout.remat == "full" else 2  # forward, backward (+ the recomputed forward)
+        if p > 1 and layout.recompute:  # each backward tick runs its stage's forward again, but
+            passes += (p - 1) / p       # the last stage's, whose forward is its backward's
         if cfg.context.strategy == "ring":
             add_op(out, "collective-permute", 2 * kv * c, cp, micro * layers * passes * (cp - 1), c_link)
             add_op(out, "collective-permute", 2 * kv * 4, cp, micro * layers * cp, c_link)

@@ -63,9 +63,12 @@ class PipelineAccumulation:
 
 
 def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_top: Callable,
-                       scatter: Callable, grad_specs: Any) -> PipelineAccumulation:
+                       scatter: Callable, grad_specs: Any,
+                       rows: Callable | None = None) -> PipelineAccumulation:
     """What the train step runs instead of the microbatch scan when mesh.pipeline > 1;
-    `scatter(grads, specs)` is the sync's per-microbatch hook, `grad_specs` its `grad_out`."""
+    `scatter(grads, specs)` is the sync's per-microbatch hook, `grad_specs` its `grad_out`,
+    `rows(mb)` a microbatch's Rows on this device (under mesh.context: its part of each
+    sequence, parallel/context.ContextParallel.split)."""
     cfg = pipeline_cfg or PipelineConfig()
     p = plan.mesh.shape["pipeline"]
     m = cfg.resolved_microbatches(grad_accum)
@@ -83,10 +86,10 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
                          f"layer_rounds={plan.layer_rounds}: build the Plan with "
                          f"layer_rounds=pipeline.virtual_stages (the Trainer does)")
     tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages, cfg.recompute)
-    manual = frozenset(plan.batch_axes) | {"pipeline"}
-    busy = tuple(sorted(a for a in manual if plan.mesh.shape[a] > 1))
+    manual = frozenset(plan.batch_axes) | {"pipeline", "context"}
+    busy = tuple(sorted(a for a in manual if plan.mesh.shape.get(a, 1) > 1))
     return PipelineAccumulation(make_pipeline_grads(model, tt, ctx, prepare_top, scatter, grad_specs, stacked,
-                                                    busy), m)
+                                                    busy, rows), m)
 
 
 __all__ = ["SCHEDULES", "Timetable", "build_timetable", "check_pipeline_layout", "check_schedule",

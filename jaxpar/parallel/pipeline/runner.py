@@ -115,7 +115,7 @@ class WRing(NamedTuple):
 
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
                         scatter: Callable, grad_specs: Any, stacked: set[tuple],
-                        manual: tuple[str, ...] = ()) -> Callable:
+                        manual: tuple[str, ...] = (), rows: Callable | None = None) -> Callable:
     """run(params, mbs, loss) -> (losses [1], local grads, sown [1]): the pipelined equivalent
     of summing jax.value_and_grad(loss) over the microbatches `mbs` (the step's batch: every
     field [m, b, ...], tokens [m, b, seq+1]; `mb.rows().apply(model)` runs the model on one), with
@@ -125,7 +125,9 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
     per-microbatch gradient hook (the sync's: ZeRO-2), `stacked` the param paths with a `layers` dim,
     `manual` the shard_map's manual axes of size > 1: every tick's carry (accumulators, ring
     buffers) and every branch's zeros vary over them (check_vma), as what fills them does.
+    `rows(mb)`: a microbatch's Rows on this device (default mb.rows(): whole sequences).
     """
+    rows = rows or (lambda mb: mb.rows())
     tt = timetable
     p, v = tt.p, tt.v
     tables = np.stack([tt.code, tt.mb, tt.chunk, tt.x_slot, tt.g_slot, tt.recv_x, tt.recv_g,
@@ -152,7 +154,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
                 state = prepare_top(state)
             try:
                 with nn.use_context(dataclasses.replace(ctx, layers_hook=hook)):
-                    return mb.rows().apply(model.merge(state))
+                    return rows(mb).apply(model.merge(state))
             except _Stop as stop:
                 return stop.value
 
@@ -172,7 +174,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         def post(top, lay_k, y, tok):
             with nn.collect_aux() as sown:
                 logits = call(top, lay_k, tok, lambda stack, carry, fn: y, True)
-            return loss_fn(logits, tok.rows(), sown)
+            return loss_fn(logits, rows(tok), sown)
 
         def chunk(k):
             return {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))
