@@ -27,6 +27,10 @@ holds E/ep experts (the `expert` dim of their weights) and its own slice of the 
             the receiver sorts all it got by expert and runs ragged_dot. The buffer has the worst
             case size (every row to one device): XLA:CPU has no ragged-all-to-all, so dropless
             moves ep x the bytes of a balanced exchange (see `jaxpar bench moe`).
+Under context parallelism (each device holds runs of every sequence) capacity still decides per
+whole sequence: an all-gather of per-run counts places each assignment in its expert's queue as
+one device would, and the devices split every expert's slots over `context` to run them
+(`_context_slots`, `_capacity_moe`); dropless routes each device's own tokens.
 The expert MLP itself is the model's (`ffn`, `ragged_ffn`); the compiler may split it over
 `tensor`, which is left automatic.
 """
@@ -55,7 +59,7 @@ def capacity_slots(expert_idx: jax.Array, num_experts: int, cap: int,
     """expert_idx [G, S, k] -> (slot [G, S, k] in [0, E*C], E*C meaning dropped; keep [G, S, k];
     C, the buffer's slots per expert). `valid` [G, S] bool: only these tokens take slots (the
     others get E*C and keep False). `sequence` (parallel/context.ContextParallel, size > 1):
-    the tokens are this device's runs of each sequence; see `_context_keep`."""
+    the tokens are this device's runs of each sequence; see `_context_slots`."""
     if sequence is not None:
         return _context_slots(expert_idx, num_experts, cap, valid, sequence)
     G, S, k = expert_idx.shape
