@@ -389,7 +389,8 @@ def test_context_strategy_is_searched_pinned_and_auto():
     by its K/V permutes, all_to_all by its head-split all-to-alls, the latter where the heads
     divide by context x tensor and rejected for the config check's reason where they do not
     (configs/long_context.yaml's 4 heads at context 8). `--layout context.strategy=` pins one
-    (where mesh.context > 1); `context.strategy: auto` lets the planner choose
+    (where mesh.context > 1); beside a pipeline only all_to_all runs (the mesh is kept for it,
+    not rejected for the ring's reason); `context.strategy: auto` lets the planner choose
     for the run, and the Trainer accepts its choice."""
     from jaxpar.planner.auto import resolve_auto
     heads = ["model.n_heads=8", "model.n_kv_heads=8"]
@@ -415,6 +416,12 @@ def test_context_strategy_is_searched_pinned_and_auto():
     split = [s for s in pinned.ranked if s.layout.size("context") > 1]
     assert split and all(s.layout.context_strategy == "all_to_all" for s in split)
     assert "context.strategy=all_to_all" in split[0].layout.overrides()
+    # beside a pipeline only all_to_all runs: the mesh is kept for it, the ring rejected for its reason
+    two = load_config("configs/long_context.yaml", ["mesh.context=1", *heads, "train.global_batch=2"])
+    piped = search(two, cluster, model, fixed={"pipeline": 2, "context": 2})
+    assert piped.ranked and {s.layout.context_strategy for s in piped.ranked} == {"all_to_all"}
+    ring = "context.strategy=ring does not compose with mesh.pipeline=2"
+    assert any(r.startswith(ring) for r in piped.rejected)
     auto = load_config("configs/long_context.yaml", [*heads, "context.strategy=auto", "checkpoint.enabled=false"])
     assert auto.auto_fields() == ["context.strategy"]
     chosen, plan = resolve_auto(auto, 8, log=lambda m: None)

@@ -210,8 +210,16 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
         dcn = dcn_split(mesh, cluster)
         # the checks of the mesh alone (heads vs tensor, layers vs pipeline, batch vs data):
         # a family that fails them fails with every option, so it is rejected once
-        family = Layout(mesh, zero_stage=3 if mesh["fsdp"] > 1 else 0, schedule="gpipe", dcn=dcn)
-        reason = check(cfg, family, model, cluster.platform, check_cache)
+        # (under each context strategy the options may take: ring and all_to_all refuse different
+        # meshes, e.g. ring beside a pipeline, all_to_all where the heads do not divide)
+        pinned = (options_fixed or {}).get("context_strategy")
+        strategies = (pinned,) if pinned else CONTEXT_STRATEGIES if mesh["context"] > 1 else ("ring",)
+        reasons = [check(cfg, Layout(mesh, zero_stage=3 if mesh["fsdp"] > 1 else 0, schedule="gpipe", dcn=dcn,
+                                     context_strategy=cs), model, cluster.platform, check_cache)
+                   for cs in strategies]
+        reason = None if None in reasons else reasons[0]
+        family = Layout(mesh, zero_stage=3 if mesh["fsdp"] > 1 else 0, schedule="gpipe", dcn=dcn,
+                        context_strategy=strategies[0])
         if reason is not None:
             result.rejected.setdefault(reason, []).append(family)
             result.considered += 1
