@@ -301,6 +301,11 @@ class GradientReducer(GradientSync):
         length = b.padded // math.prod(g.size for g in b.outer)
         return self.comp.state_shapes(length, b.compressed.size)
 
+    def comm_shapes(self) -> dict:
+        """Per-device shapes of state["comm"] (its leaves without the leading device axis):
+        {bucket: {name: shape}}, the in-scan layers' under LAYERS."""
+        return self._state_shapes()
+
     @property
     def stateful(self) -> bool:
         return bool(self._state_shapes())

@@ -65,7 +65,7 @@ def state_bytes(cfg, sync: GradientSync | None, params_bytes: float, params_elem
     (LAYERS: the residuals the backward layer scan updates, whose new values it writes to a
     second buffer: temporaries)."""
     if isinstance(sync, GradientReducer):
-        state = sync._state_shapes()
+        state = sync.comm_shapes()
         state = state.get(part, {}) if part else state
         shapes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, tuple))
         return 4.0 * sum(math.prod(s) for s in shapes)
