@@ -456,13 +456,15 @@ class ContextConfig(Strict):
     """Context parallelism over `mesh.context` (jaxpar/parallel/context.py; only used when
     mesh.context > 1): each device holds 1/context of every sequence. `strategy`: `ring` keeps
     each device's queries and passes key/value chunks around the ring (ppermute), one
-    online-softmax step per arriving chunk; `all_to_all` (Ulysses) trades the sequence split for
-    a head split around attention (n_heads and n_kv_heads must divide by mesh.context).
-    `layout`: `zigzag` gives device i chunks i and 2C-1-i of 2C (balanced causal work;
-    train.seq_len divisible by 2 x mesh.context), `contiguous` chunk i of C. `strategy: auto`:
-    the planner's choice (both compute the same attention; jaxpar/planner)."""
+    online-softmax step per arriving chunk; `all_gather` is the ring's attention on every
+    device's K and V gathered at once (any head count; it runs in a pipeline's stages, where
+    the ring cannot; it holds the whole sequence's K and V for a layer); `all_to_all` (Ulysses)
+    trades the sequence split for a head split around attention (n_heads and n_kv_heads must
+    divide by mesh.context); `auto`: the planner's choice (all compute the same attention;
+    jaxpar/planner). `layout`: `zigzag` gives device i chunks i and 2C-1-i of 2C (balanced
+    causal work; train.seq_len divisible by 2 x mesh.context), `contiguous` chunk i of C."""
 
-    strategy: Literal["ring", "all_to_all", "auto"] = "ring"
+    strategy: Literal["ring", "all_to_all", "all_gather", "auto"] = "ring"
     layout: Literal["zigzag", "contiguous"] = "zigzag"
 
 

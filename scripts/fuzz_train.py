@@ -91,7 +91,8 @@ def layout_opts(r: random.Random, moe: bool, axis: str | None = None) -> list[st
         out += [f"train.grad_accum={r.choice([1, *accums])}"]
     if size("context") > 1:
         # the ring's collective-permutes cannot run in a pipeline stage's branch (refused)
-        strategies = ['ring', 'all_to_all'] if size("pipeline") == 1 else ['all_to_all']
+        strategies = (['ring', 'all_to_all', 'all_gather'] if size("pipeline") == 1
+                      else ['all_to_all', 'all_gather'])
         out += [f"context.strategy={r.choice(strategies)}",
                 f"context.layout={r.choice(['zigzag', 'contiguous'])}"]
     if size("tensor") > 1 and r.random() < 0.5:

@@ -82,7 +82,7 @@ def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs
 @pytest.mark.parametrize("segments", [False, True], ids=["causal", "segments"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("size", [2, 4, 8])
-@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all", "all_gather"])
 def test_attention_forward_and_grads_equal_xla(strategy, size, layout, segments, devices):
     # GQA (2 query heads per kv head); all_to_all needs kv heads divisible by the context size
     heads, kv_heads = (16, 8) if strategy == "all_to_all" and size == 8 else (8, 4)
@@ -286,7 +286,7 @@ def test_ring_bytes_match_analytic(ring8):
     (["mesh.context=2", "mesh.tensor=2", "mesh.data=2", "context.strategy=all_to_all", "model.n_heads=4",
       "model.n_kv_heads=2"], ["model.n_kv_heads=2", "mesh.tensor=2", "by 4"]),
     (["mesh.context=4", "mesh.pipeline=2"], ["context.strategy=ring", "mesh.pipeline=2",
-                                             "context.strategy=all_to_all"]),
+                                             "context.strategy=all_gather", "all_to_all"]),
 ])
 def test_bad_layouts_raise_one_clear_error(overrides, words, devices):
     with pytest.raises(ConfigError) as err:

@@ -33,7 +33,7 @@ ZB_FULL = f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.schedule=zb_
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
 # policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16; beside sequence
 # parallelism, and sequence parallelism in a pipeline), context, compressed and local SGD syncs:
-# 36 layouts, one compile each
+# 37 layouts, one compile each
 LAYOUTS = [
     "mesh.data=8 sharding.zero_stage=0",
     "mesh.data=8 sharding.zero_stage=0 train.remat=full",
@@ -78,6 +78,7 @@ LAYOUTS = [
     # context parallelism: ring (zigzag chunks, permutes of K and V) and all_to_all (head split)
     "mesh.data=2 mesh.context=4",
     "mesh.data=4 mesh.context=2 context.strategy=all_to_all",
+    "mesh.data=2 mesh.context=4 context.strategy=all_gather",
     # capacity MoE beside context: every expert's slots split over context and put back
     f"mesh.data=2 mesh.context=4 model.moe.num_experts=4 {TOL}",
     # context in a pipeline's stages (all_to_all), a backward tick recomputing its stage
@@ -385,12 +386,13 @@ def test_long_sequences_search_context_parallelism():
 
 
 def test_context_strategy_is_searched_pinned_and_auto():
-    """Where mesh.context > 1 both strategies are scored (they compute the same attention): ring
-    by its K/V permutes, all_to_all by its head-split all-to-alls, the latter where the heads
+    """Where mesh.context > 1 every strategy is scored (they compute the same attention): ring
+    by its K/V permutes, all_to_all by its head-split all-to-alls, all_gather by its K/V
+    all-to-alls; all_to_all where the heads
     divide by context x tensor and rejected for the config check's reason where they do not
     (configs/long_context.yaml's 4 heads at context 8). `--layout context.strategy=` pins one
-    (where mesh.context > 1); beside a pipeline only all_to_all runs (the mesh is kept for it,
-    not rejected for the ring's reason); `context.strategy: auto` lets the planner choose
+    (where mesh.context > 1); beside a pipeline the ring does not run (the mesh is kept for the
+    others, not rejected for the ring's reason); `context.strategy: auto` lets the planner choose
     for the run, and the Trainer accepts its choice."""
     from jaxpar.planner.auto import resolve_auto
     heads = ["model.n_heads=8", "model.n_kv_heads=8"]
@@ -403,12 +405,13 @@ def test_context_strategy_is_searched_pinned_and_auto():
         if s.layout.size("context") > 1:
             same = (tuple(s.layout.mesh.items()), s.layout.remat, s.layout.sequence_parallel, s.layout.zero_stage)
             pairs.setdefault(same, {})[s.layout.context_strategy] = s
-    both = [p for p in pairs.values() if len(p) == 2]
-    assert both, res.rejected.keys()
-    for p in both:
-        ring, a2a = p["ring"].comm["kinds"], p["all_to_all"].comm["kinds"]
+    every = [p for p in pairs.values() if len(p) == 3]
+    assert every, res.rejected.keys()
+    for p in every:
+        ring, a2a, gather = (p[s].comm["kinds"] for s in ("ring", "all_to_all", "all_gather"))
         assert ring["collective-permute"]["wire_bytes"] > 0 and "all-to-all" not in ring
-        assert a2a["all-to-all"]["wire_bytes"] > 0 and "collective-permute" not in a2a
+        for kinds in (a2a, gather):
+            assert kinds["all-to-all"]["wire_bytes"] > 0 and "collective-permute" not in kinds
     four = search(load_config("configs/long_context.yaml", ["mesh.context=1"]), cluster, model)
     assert any(r.startswith("context.strategy=all_to_all splits the heads over mesh.context=8")
                for r in four.rejected), four.rejected.keys()
@@ -416,10 +419,10 @@ def test_context_strategy_is_searched_pinned_and_auto():
     split = [s for s in pinned.ranked if s.layout.size("context") > 1]
     assert split and all(s.layout.context_strategy == "all_to_all" for s in split)
     assert "context.strategy=all_to_all" in split[0].layout.overrides()
-    # beside a pipeline only all_to_all runs: the mesh is kept for it, the ring rejected for its reason
+    # beside a pipeline the ring does not run: the mesh is kept for the others, the ring rejected
     two = load_config("configs/long_context.yaml", ["mesh.context=1", *heads, "train.global_batch=2"])
     piped = search(two, cluster, model, fixed={"pipeline": 2, "context": 2})
-    assert piped.ranked and {s.layout.context_strategy for s in piped.ranked} == {"all_to_all"}
+    assert piped.ranked and {s.layout.context_strategy for s in piped.ranked} == {"all_to_all", "all_gather"}
     ring = "context.strategy=ring does not compose with mesh.pipeline=2"
     assert any(r.startswith(ring) for r in piped.rejected)
     auto = load_config("configs/long_context.yaml", [*heads, "context.strategy=auto", "checkpoint.enabled=false"])

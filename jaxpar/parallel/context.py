@@ -16,6 +16,11 @@ attention runs through the strategy's hook (nn.Context.attention):
               the ring with the chunks and recomputes the probabilities (no scores are saved).
               model.attention sets the tile (ring_tile): xla a whole run, blockwise
               model.attention_block; cudnn is refused (it cannot join an online softmax).
+  all_gather  the ring's computation with every device's K and V chunks gathered at once (an
+              all_to_all of copies) and read in the ring's order, the dK/dV of every chunk sent
+              home by one all_to_all at the end: no collective-permute, so it runs inside a
+              pipeline stage's branch (the ring cannot); a layer's whole-sequence K and V live
+              at once.
   all_to_all  (Ulysses) an all_to_all from sequence-split to head-split, the model's own
               attention implementation over the whole sequence (reordered to global order), and
               back.
@@ -178,7 +183,7 @@ class ContextParallel:
         """The nn.Context.attention hook (None: attention on this device)."""
         if self.size == 1:
             return None
-        return functools.partial(ring_attention if self.strategy == "ring" else ulysses_attention, self)
+        return functools.partial(ulysses_attention if self.strategy == "all_to_all" else ring_attention, self)
 
 
 def loader_split(plan: Plan, cfg: Any) -> tuple[ContextParallel, jax.sharding.NamedSharding]:
@@ -223,12 +228,13 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
             f"context.strategy=ring does not compose with mesh.pipeline={mesh_shape['pipeline']}: the "
             f"ring's collective-permutes would run inside each stage's branch of the timetable, and "
             f"XLA:CPU's collective-permute waits for every device of the step, which the other "
-            f"stages (in other branches) never join; use context.strategy=all_to_all (its "
-            f"all-to-alls run within each stage's context group), or mesh.pipeline=1")
-    if ctx.strategy == "ring" and m.attention == "cudnn":
+            f"stages (in other branches) never join; use context.strategy=all_gather (the ring's "
+            f"attention on K and V gathered at once) or all_to_all: their all-to-alls run within "
+            f"each stage's context group; or mesh.pipeline=1")
+    if ctx.strategy in ("ring", "all_gather") and m.attention == "cudnn":
         raise ConfigError(
-            f"model.attention=cudnn does not run inside context.strategy=ring (mesh.context={c}): the "
-            f"ring folds each arriving key/value chunk into its own online softmax, which needs the "
+            f"model.attention=cudnn does not run inside context.strategy={ctx.strategy} "
+            f"(mesh.context={c}): the ring folds each arriving key/value chunk into its own online softmax, which needs the "
             f"per-query log-sum-exp that jax's cuDNN attention does not return; use model.attention="
             f"auto or blockwise (the ring's tiles), or context.strategy=all_to_all (cuDNN over whole "
             f"sequences, a head group per device)")
@@ -284,12 +290,17 @@ def ulysses_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementati
 
 
 class Ring(NamedTuple):
-    """Static shape of a ring call: ring size, layout, tiles (bq queries, bk keys), scale."""
+    """Static shape of a ring call: ring size, layout, tiles (bq queries, bk keys), scale;
+    `gather`: every device's K and V gathered at once (context.strategy all_gather) instead of
+    passed around the ring, the same chunk order, and dK, dV sent home at the end by one
+    all-to-all: collectives within the context group, which a pipeline stage's branch can hold
+    (a ring's collective-permute cannot)."""
     size: int
     layout: str
     bq: int
     bk: int
     scale: float
+    gather: bool = False
 
     def perm(self):
         return [(i, (i + 1) % self.size) for i in range(self.size)]
@@ -364,7 +375,64 @@ def _chunk_backward(r: Ring, grads, qb, kb, vb, do, lse, delta, qp, kp, qs, ks):
     return loop(table, body, grads, n)
 
 
+def _every_device(x, size: int):
+    """[size (device), ...] of every device's x over `context` (an all-gather made of an
+    all_to_all of copies: its transpose is an all_to_all too, no 16-bit reduce-scatter)."""
+    if x is None:
+        return None
+    copies = jnp.broadcast_to(x[None], (size, *x.shape))
+    return jax.lax.all_to_all(copies, AXIS, 0, 0, tiled=True)
+
+
+def _home(x):
+    """x [size (owner), ...] of this device's contributions to every owner's chunk -> the sum of
+    every device's contribution to this device's chunk (an all_to_all and a local sum)."""
+    return jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True).sum(0)
+
+
+def _gathered_forward(r: Ring, qb, kb, vb, qs, ks):
+    local = qb.shape[0] * r.bq
+    me = jax.lax.axis_index(AXIS)
+    qp = device_positions(r.layout, r.size, local * r.size, me).reshape(-1, r.bq)
+    state = vary_together(init_state(qb), qb, kb, vb, qs, ks, qp)
+    kv = tuple(_every_device(x, r.size) for x in (kb, vb, ks))
+
+    def step(state, t):  # the ring's order: the chunk of the device t before this one
+        owner = (me - t) % r.size
+        return _chunk_forward(r, state, qb, _at(kv[0], owner), _at(kv[1], owner), qp,
+                              r.key_positions(t, local), qs, _at(kv[2], owner)), None
+
+    state, _ = jax.lax.scan(step, state, np.arange(r.size, dtype=np.int32))
+    return finish(state, qb.dtype)
+
+
+def _gathered_bwd(r: Ring, res, do):
+    qb, kb, vb, qs, ks, o, lse = res
+    local = qb.shape[0] * r.bq
+    me = jax.lax.axis_index(AXIS)
+    qp = device_positions(r.layout, r.size, local * r.size, me).reshape(-1, r.bq)
+    delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
+    kv = tuple(_every_device(x, r.size) for x in (kb, vb, ks))
+    dq = jnp.zeros(qb.shape, F32)
+    dkv = (jnp.zeros((r.size, *kb.shape), F32), jnp.zeros((r.size, *vb.shape), F32))
+    dq, dkv = vary_together((dq, dkv), qb, kb, vb, qs, ks, do, lse, qp)
+
+    def step(carry, t):
+        dq, (dk, dv) = carry
+        owner = (me - t) % r.size
+        dq, gk, gv = _chunk_backward(r, (dq, _at(dk, owner), _at(dv, owner)), qb, _at(kv[0], owner),
+                                     _at(kv[1], owner), do, lse, delta, qp, r.key_positions(t, local),
+                                     qs, _at(kv[2], owner))
+        put = lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, g, owner, 0)
+        return (dq, (put(dk, gk), put(dv, gv))), None
+
+    (dq, (dk, dv)), _ = jax.lax.scan(step, (dq, dkv), np.arange(r.size, dtype=np.int32))
+    return (dq.astype(qb.dtype), _home(dk).astype(kb.dtype), _home(dv).astype(vb.dtype), None, None)
+
+
 def _ring_forward(r: Ring, qb, kb, vb, qs, ks):
+    if r.gather:
+        return _gathered_forward(r, qb, kb, vb, qs, ks)
     local = qb.shape[0] * r.bq
     qp = device_positions(r.layout, r.size, local * r.size, jax.lax.axis_index(AXIS)).reshape(-1, r.bq)
     state = vary_together(init_state(qb), qb, kb, vb, qs, ks, qp)
@@ -392,6 +460,8 @@ def _ring_fwd(r, qb, kb, vb, qs, ks):
 
 
 def _ring_bwd(r, res, do):
+    if r.gather:
+        return _gathered_bwd(r, res, do)
     qb, kb, vb, qs, ks, o, lse = res
     local = qb.shape[0] * r.bq
     qp = device_positions(r.layout, r.size, local * r.size, jax.lax.axis_index(AXIS)).reshape(-1, r.bq)
@@ -441,7 +511,7 @@ def ring_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation:
     kvh = k.shape[2]
     run = s // 2 if cp.layout == "zigzag" else s
     bq = ring_tile(implementation, run, block, s * cp.size, threshold)
-    r = Ring(cp.size, cp.layout, bq, bq, d ** -0.5)
+    r = Ring(cp.size, cp.layout, bq, bq, d ** -0.5, cp.strategy == "all_gather")
     seg = None if segment_ids is None else _blocked(segment_ids.astype(jnp.int32), bq)
     qb = _blocked(q.reshape(b, s, kvh, h // kvh, d), bq)
     o = _ring(r, qb, _blocked(k, bq), _blocked(v, bq), seg, seg)

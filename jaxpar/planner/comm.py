@@ -316,6 +316,9 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
         if cfg.context.strategy == "ring":
             add_op(out, "collective-permute", 2 * kv * c, cp, micro * layers * passes * (cp - 1), c_link)
             add_op(out, "collective-permute", 2 * kv * 4, cp, micro * layers * cp, c_link)
+        elif cfg.context.strategy == "all_gather":  # every chunk's K and V a pass, dK and dV home
+            add_op(out, "all-to-all", cp * kv * c, cp, 2 * micro * layers * passes, c_link)
+            add_op(out, "all-to-all", cp * kv * 4, cp, 2 * micro * layers, c_link)
         else:
             q = tokens * m.n_heads * hd / tp
             for x in (q, kv, kv, q):  # q, k, v to the head split; the output back

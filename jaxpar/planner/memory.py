@@ -362,7 +362,7 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
     tp = layout.size("tensor")
     # ring attention runs its own blockwise loop over the chunks: no [heads, keys] scores; the
     # all_to_all strategy attends over the whole sequence with heads / context
-    xla = attention_impl(cfg) == "xla" and not (cp > 1 and cfg.context.strategy == "ring")
+    xla = attention_impl(cfg) == "xla" and not (cp > 1 and cfg.context.strategy != "all_to_all")
     sp = cfg.sharding.sequence_parallel
     layers = ms.layers / layout.size("pipeline")
     full = per_token_layer_bytes(ms, "none", c, tp, t.seq_len, xla, sp)
@@ -437,7 +437,7 @@ def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: in
     tokens = seqs * t.seq_len / layout.size("context")
     tp, p = layout.size("tensor"), layout.size("pipeline")
     cp = layout.size("context")
-    xla = attention_impl(cfg) == "xla" and not (cp > 1 and cfg.context.strategy == "ring")
+    xla = attention_impl(cfg) == "xla" and not (cp > 1 and cfg.context.strategy != "all_to_all")
     sp = cfg.sharding.sequence_parallel
     layers = ms.layers / p
     kept = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp)

@@ -25,10 +25,11 @@ REMATS = ("none", "dots_saveable", "full")  # searched; --layout may pin any of 
 # forward's residuals): its bubble is a third of 1f1b's, paid for with the cotangents Bx keeps
 # for W (memory.w_kept_bytes)
 PIPELINE_OPTIONS = ("schedule", "virtual_stages")
-# where mesh.context > 1 both strategies are searched: they compute the same attention, ring with
-# K/V chunks passed around (C - 1 hops a pass), all_to_all with q, k, v and the output resharded
-# to a head split (heads and KV heads must divide by context x tensor)
-CONTEXT_STRATEGIES = ("ring", "all_to_all")
+# where mesh.context > 1 every strategy is searched: they compute the same attention, ring with
+# K/V chunks passed around (C - 1 hops a pass; not in a pipeline's stages), all_to_all with q, k,
+# v and the output resharded to a head split (heads and KV heads must divide by context x
+# tensor), all_gather with every chunk's K and V gathered at once (any heads, any stage)
+CONTEXT_STRATEGIES = ("ring", "all_to_all", "all_gather")
 # sequence parallelism is searched where mesh.tensor > 1: a tensor-th of the residual stream's
 # activations for more bytes in the tensor collectives (the backward gathers the norm outputs
 # again; XLA:CPU has no reduce-scatter: all-reduce, then a slice), so it wins where memory binds
