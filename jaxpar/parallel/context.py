@@ -234,8 +234,8 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
     if ctx.strategy in ("ring", "all_gather") and m.attention == "cudnn":
         raise ConfigError(
             f"model.attention=cudnn does not run inside context.strategy={ctx.strategy} "
-            f"(mesh.context={c}): the ring folds each arriving key/value chunk into its own online softmax, which needs the "
-            f"per-query log-sum-exp that jax's cuDNN attention does not return; use model.attention="
+            f"(mesh.context={c}): the ring folds each arriving key/value chunk into its own online "
+            f"softmax, which needs the per-query log-sum-exp that jax's cuDNN attention does not return; use model.attention="
             f"auto or blockwise (the ring's tiles), or context.strategy=all_to_all (cuDNN over whole "
             f"sequences, a head group per device)")
     if ctx.strategy == "all_to_all" and check_model:
