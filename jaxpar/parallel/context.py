@@ -235,9 +235,9 @@ def check_layout(cfg, mesh_shape: dict[str, int], check_model: bool = True) -> N
         raise ConfigError(
             f"model.attention=cudnn does not run inside context.strategy={ctx.strategy} "
             f"(mesh.context={c}): the ring folds each arriving key/value chunk into its own online "
-            f"softmax, which needs the per-query log-sum-exp that jax's cuDNN attention does not return; use model.attention="
-            f"auto or blockwise (the ring's tiles), or context.strategy=all_to_all (cuDNN over whole "
-            f"sequences, a head group per device)")
+            f"softmax, which needs the per-query log-sum-exp that jax's cuDNN attention does not "
+            f"return; use model.attention=auto or blockwise (the ring's tiles), or "
+            f"context.strategy=all_to_all (cuDNN over whole sequences, a head group per device)")
     if ctx.strategy == "all_to_all" and check_model:
         tensor = mesh_shape.get("tensor", 1)
         for fld in ("n_heads", "n_kv_heads"):
