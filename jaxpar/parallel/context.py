@@ -166,18 +166,13 @@ class ContextParallel:
         return jnp.take(before, mine, axis=0), by_seq.sum(0)
 
     def own_part(self, x: jax.Array, axis: int) -> jax.Array:
-        """x summed over the devices, of which each keeps its 1/size part of `axis`: a
-        reduce-scatter made of an all_to_all and a local sum (its transpose an all_to_all too:
-        XLA:CPU aborts on a 16-bit reduce-scatter, the transpose of an all_gather)."""
-        parts = jnp.stack(jnp.split(x, self.size, axis=axis), axis=axis)           # [.., size, n / size, ..]
-        return jax.lax.all_to_all(parts, AXIS, axis, axis, tiled=True).sum(axis)
+        """x summed over the devices, of which each keeps its 1/size part of `axis` (`_home`:
+        a reduce-scatter made of an all_to_all and a local sum)."""
+        return _home(jnp.stack(jnp.split(x, self.size, axis=axis)))
 
     def all_parts(self, x: jax.Array, axis: int) -> jax.Array:
-        """Every device's `x` concatenated along `axis` in device order (an all_gather, made of
-        an all_to_all of copies for the same reason)."""
-        copies = jnp.broadcast_to(jnp.expand_dims(x, axis), (*x.shape[:axis], self.size, *x.shape[axis:]))
-        got = jax.lax.all_to_all(copies, AXIS, axis, axis, tiled=True)           # [.., size (source), n, ..]
-        return got.reshape(*x.shape[:axis], self.size * x.shape[axis], *x.shape[axis + 1:])
+        """Every device's `x` concatenated along `axis` in device order (`_every_device`)."""
+        return jnp.concatenate(list(_every_device(x, self.size)), axis=axis)
 
     def attention(self) -> Callable | None:
         """The nn.Context.attention hook (None: attention on this device)."""
@@ -377,7 +372,8 @@ def _chunk_backward(r: Ring, grads, qb, kb, vb, do, lse, delta, qp, kp, qs, ks):
 
 def _every_device(x, size: int):
     """[size (device), ...] of every device's x over `context` (an all-gather made of an
-    all_to_all of copies: its transpose is an all_to_all too, no 16-bit reduce-scatter)."""
+    all_to_all of copies: its transpose is an all_to_all too, where an all_gather's would be a
+    reduce-scatter, which XLA:CPU aborts on in 16 bits)."""
     if x is None:
         return None
     copies = jnp.broadcast_to(x[None], (size, *x.shape))
