@@ -241,7 +241,10 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
         for kind, result, axes, n, times in own.wire_ops():
             add_op(out, kind, result, n, times, link(axes))
     elif local:
-        for kind, result, axes, n, times in local_sgd_ops(own, plan, model, itemsize(t.param_dtype)):
+        ops_key = ("local_sgd_ops", *key)  # per mesh and ZeRO stage, like the sync's bytes
+        if ops_key not in cache:
+            cache[ops_key] = local_sgd_ops(own, plan, model, itemsize(t.param_dtype))
+        for kind, result, axes, n, times in cache[ops_key]:
             add_op(out, kind, result, n, times, link(axes))
     purpose["grad_sync"] += sum(r["wire_bytes"] for r in out.values()) - before
 
