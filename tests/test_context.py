@@ -336,10 +336,15 @@ def test_bench_context_rows_and_table(devices):
     from jaxpar.bench import context as bench
     from jaxpar.bench import load
     _, cfg = load("context", None, ["model.n_layers=1", "model.attention_block=64"])
-    res = bench.run(cfg, seqs=(512,), strategies=("blockwise", "ring"), budget=2**40, max_seq=512)
+    res = bench.run(cfg, seqs=(512,), strategies=("blockwise", "ring", "all_gather"), budget=2**40, max_seq=512)
     by = {r["strategy"]: r for r in res["rows"]}
     ring = by["ring"]
     assert 1.0 <= ring["collective_bytes"]["collective-permute"] / ring["analytic_ring_bytes"] <= 1.05
     assert ring["temp_bytes"] < by["blockwise"]["temp_bytes"] / 2
-    assert res["longest_fitting"] == {"blockwise": 512, "ring": 512}
-    assert "ring" in bench.format_result({"benchmark": "context", **res})
+    # all_gather: the whole sequence's K and V (8 kv heads x 16, float32) gathered forward and
+    # their gradients sent home backward, one layer; its temp between the ring's and one device's
+    gathered = by["all_gather"]
+    assert gathered["collective_bytes"]["all-to-all"] == 2 * 2 * 512 * 8 * 16 * 4
+    assert ring["temp_bytes"] < gathered["temp_bytes"] < by["blockwise"]["temp_bytes"] / 2
+    assert res["longest_fitting"] == {"blockwise": 512, "ring": 512, "all_gather": 512}
+    assert "all_gather" in bench.format_result({"benchmark": "context", **res})

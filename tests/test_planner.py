@@ -90,7 +90,9 @@ LAYOUTS = [
     "gradient_compression.dcn_size=2",
     "mesh.data=2 mesh.fsdp=4 sharding.zero_stage=3 gradient_compression.method=onebit",
     "mesh.data=8 gradient_compression.method=powersgd",
-    "mesh.data=4 mesh.fsdp=2 sharding.zero_stage=1 local_sgd.sync_every=4",
+    # local SGD on float32 masters under bf16 params: XLA:CPU gathers the updated params as
+    # float32 (memory.param_gather_itemsize), every step and after each average
+    "mesh.data=4 mesh.fsdp=2 sharding.zero_stage=1 local_sgd.sync_every=4 train.param_dtype=bfloat16",
 ]
 
 

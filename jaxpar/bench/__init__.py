@@ -12,7 +12,8 @@
             2K / 8K tokens (--seqs, --impls), per call and per train step
   planner   predicted vs measured step time over 11 layouts (Spearman), time to plan 70B on 1024 GPUs
   packing   data.packing on the stdlib tokenized by a BPE: padding per seq_len, packed step's cost
-  context   xla / blockwise (a sequence per device) vs ring / all_to_all (a sequence over mesh.context):
+  context   xla / blockwise (a sequence per device) vs ring / all_to_all / all_gather (a sequence over
+            mesh.context):
             temp memory, collective bytes vs the analytic ring volume, step time, longest fitting seq
   step      per layout, the config's model and the 1B shape (compiled only): model vs compiled FLOPs,
             collectives inside vs outside the loops, temp memory; the config's: step and host time

@@ -1,11 +1,13 @@
 """`jaxpar bench context`: long sequences per device, one device per sequence (xla, blockwise
-attention) against one sequence split over mesh.context devices (ring, all_to_all).
+attention) against one sequence split over mesh.context devices (ring, all_to_all, all_gather).
 
 For each sequence length in SEQS and strategy in STRATEGIES, the config's model compiled for
 the whole train step (AOT):
   - xla / blockwise: mesh.data = every device, one sequence per device;
-  - ring / all_to_all: mesh.context = every device, one sequence over all of them (all_to_all:
-    the attention after the exchange is blockwise);
+  - ring / all_to_all / all_gather: mesh.context = every device, one sequence over all of them
+    (all_to_all: the attention after the exchange is blockwise; all_gather: every device gathers
+    the whole sequence's K and V, by one all-to-all of its chunk to every device, and attends
+    blockwise over them);
 `temp` is memory_analysis().temp_size_in_bytes per device, `state` the arguments' bytes per
 device (params, optimizer state, batch); `permute` / `all-to-all` the collective bytes per step
 in the compiled HLO (loops counted by their trip counts), `analytic` the ring's volume (each
@@ -36,7 +38,7 @@ from jaxpar.train.trainer import Trainer
 LAYOUT: list[str] = ["data.source=synthetic", "model.n_heads=8", "model.n_kv_heads=8", "train.grad_accum=1",
                      "model.attention_block=512", "checkpoint.enabled=false", "eval.every=0"]
 SEQS = (2048, 8192, 32768)
-STRATEGIES = ("xla", "blockwise", "ring", "all_to_all")
+STRATEGIES = ("xla", "blockwise", "ring", "all_to_all", "all_gather")
 TIME_MAX_SEQ = 2048
 TIME_HOST_BYTES = 3 * 2**30
 TIMED = 1
@@ -128,8 +130,8 @@ def format_result(res: dict) -> str:
             "step"]
     first = min(r["seq"] for r in res["rows"])
     longest = ", ".join(f"{s} {n if n else f'< {first}'}" for s, n in res["longest_fitting"].items())
-    note = (f"xla/blockwise: one sequence per device (mesh.data); ring/all_to_all: one sequence over "
-            f"mesh.context = all devices. ratio: collective-permute bytes / analytic ring volume.\n"
+    note = (f"xla/blockwise: one sequence per device (mesh.data); ring/all_to_all/all_gather: one sequence "
+            f"over mesh.context = all devices. ratio: collective-permute bytes / analytic ring volume.\n"
             f"longest sequence with temp + state <= {fmt_bytes(res['budget_bytes'])} per device: {longest}")
     return "\n".join([head, table(cols, rows), note])
 

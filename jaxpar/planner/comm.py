@@ -191,7 +191,7 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
     under "sync" what the gradient sync is (its describe(): the buckets of a compressed one).
     `cache` keeps the gradient sync's bytes per mesh, ZeRO stage and microbatch count;
     `platform` the cluster's (XLA's passes differ); `clock` how the pipeline runs."""
-    from jaxpar.planner.memory import itemsize
+    from jaxpar.planner.memory import itemsize, param_gather_itemsize
     t, m = cfg.train, cfg.model
     out: dict = {}
     purpose = {"grad_sync": 0.0, "zero3_gather": 0.0, "tensor": 0.0, "pipeline": 0.0, "expert": 0.0,
@@ -211,7 +211,7 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
         whole = local and plan.zero_stage == 1
         gplan = abstract_plan(cfg, dataclasses.replace(layout, zero_stage=0)) if whole else plan
         cache[key] = grad_sync_bytes(gplan, model.axes, model.shapes, grad_accum=accum,
-                                     param_itemsize=itemsize(t.param_dtype),
+                                     param_itemsize=param_gather_itemsize(itemsize(t.param_dtype), platform),
                                      compute_itemsize=itemsize(t.compute_dtype),
                                      grad_itemsize=itemsize(t.grad_reduce_dtype),
                                      skip=("all-reduce", "zero1-scatter") if compressed else (),
@@ -243,7 +243,8 @@ def step_collectives(cfg, layout, model, plan: Plan, cache: dict | None = None, 
     elif local:
         ops_key = ("local_sgd_ops", *key)  # per mesh and ZeRO stage, like the sync's bytes
         if ops_key not in cache:
-            cache[ops_key] = local_sgd_ops(own, plan, model, itemsize(t.param_dtype))
+            gather = param_gather_itemsize(itemsize(t.param_dtype), platform)
+            cache[ops_key] = local_sgd_ops(own, plan, model, gather)
         for kind, result, axes, n, times in cache[ops_key]:
             add_op(out, kind, result, n, times, link(axes))
     purpose["grad_sync"] += sum(r["wire_bytes"] for r in out.values()) - before

@@ -246,6 +246,14 @@ def w_kept_bytes(cfg: Config, layout: Layout) -> float:
     return out
 
 
+def param_gather_itemsize(itemsize: int, platform: str) -> int:
+    """Bytes per element of ZeRO-1/2's all-gather of the updated params (the step's out_shardings
+    gather them): XLA:CPU gathers 16-bit params as float32 (the HLO gathers a convert of them;
+    bf16 params over float32 masters, 2026-12-07); XLA:GPU in their dtype (a deviceless compile
+    of the same step gathers bf16). ZeRO-3's gathers, the shard_map's own, stay 16-bit on both."""
+    return max(itemsize, 4) if platform == "cpu" else itemsize
+
+
 def estimate(cfg: Config, layout: Layout, model, state: dict | None = None,
              platform: str = "cpu") -> dict[str, float]:
     """Per-device bytes by term (module doc); `model` a jaxpar.train.model.ModelDef of cfg.model;
@@ -254,6 +262,9 @@ def estimate(cfg: Config, layout: Layout, model, state: dict | None = None,
     step needs: its arguments plus its temporaries."""
     out = dict(state if state is not None else state_terms(cfg, layout, model))
     out.update(activation_terms(cfg, layout))
+    if layout.zero_stage in (1, 2) and layout.size("fsdp") > 1:  # the gathered params' buffer
+        p = itemsize(cfg.train.param_dtype)
+        out["gathered"] *= param_gather_itemsize(p, platform) / p
     if platform == "gpu" and layout.size("pipeline") == 1:
         out.update(gpu_terms(cfg, layout, out))
         backward = out["grads"] + out["working"]
