@@ -24,7 +24,7 @@ if _CACHE_VAR not in os.environ:
 else:
     _OWN_CACHE = False
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ[_CACHE_VAR])
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import gc  # noqa: E402
 
