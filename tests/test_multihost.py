@@ -123,13 +123,19 @@ def test_every_process_compiles_the_same_program_whatever_the_call_site(devices)
         return compiled.runtime_executable().fingerprint, compiled.as_text()
 
     before = jax.config.jax_include_full_tracebacks_in_locations
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
     try:
+        # both compiled here, not one loaded from the test run's compilation cache (its key
+        # leaves the source locations out: `there` would load `here`'s executable): no entry
+        # written (whether the cache is used at all is decided once a process)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
         jax.config.update("jax_include_full_tracebacks_in_locations", True)
         assert fingerprint(here()) != fingerprint(there())  # the hazard is real here
         same_program_on_every_process()
         assert fingerprint(here()) == fingerprint(there())
     finally:
         jax.config.update("jax_include_full_tracebacks_in_locations", before)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
 
 def _env(**extra) -> dict:
     env = dict(os.environ)
