@@ -60,6 +60,13 @@ LAYOUTS = {  # name: (reference, overrides)
     "dp2-pp2-cp2-allgather": (DENSE, ["mesh.data=2", "mesh.pipeline=2", "mesh.context=2",
                                       "context.strategy=all_gather", "train.grad_accum=2",
                                       "sharding.replicated_tolerance=0.3"]),
+    # zb_h1's W half replays the stage vjp on stashed residuals that come back more varying than
+    # the forward typed them (pipeline/residuals.bind_lenient): under a remat policy the
+    # all_gather strategy's backward adds one to a constant
+    "dp2-pp2-cp2-allgather-zb-remat": (DENSE, ["mesh.data=2", "mesh.pipeline=2", "mesh.context=2",
+                                               "context.strategy=all_gather", "train.grad_accum=2",
+                                               "pipeline.schedule=zb_h1", "train.remat=full",
+                                               "sharding.replicated_tolerance=0.3"]),
     "moe-dp2-pp2-cp2-a2a": (MOE, ["mesh.data=2", "mesh.pipeline=2", "mesh.context=2",
                                   "context.strategy=all_to_all", "train.grad_accum=2",
                                   "sharding.replicated_tolerance=0.3"]),

@@ -13,19 +13,35 @@ from typing import Any
 import jax
 from jax.extend.core import Literal
 
-from jaxpar.sharding import vary
+from jaxpar.sharding import vary, varying_axes
 
 
 def bind_lenient(eqn, args: list) -> list:
     """`eqn` applied to `args` (its outputs, as a list). A stashed residual can come back more
-    varying than the forward typed it (out of a ring buffer whose slot depends on the stage);
-    the vjp's pvary on it is then a no-op, which jax >= 0.12.1 refuses to bind, so it is cast
-    only over the axes still missing (jaxpar.sharding.vary)."""
+    varying than the forward typed it (out of a ring buffer whose slot depends on the stage):
+    - the vjp's pvary on it is then a no-op, which jax >= 0.12.1 refuses to bind, so it is cast
+      only over the axes still missing (jaxpar.sharding.vary);
+    - an operation that took it beside a value the forward typed alike (both invariant) now sees
+      two types: the others are cast to the union, as tracing would have cast them had the
+      residual been that varying then (zb_h1's W half beside the all_gather context strategy
+      under a remat policy). Collectives (an axis name in their params) are bound as they are."""
     with eqn.ctx.manager:
         if eqn.primitive.name == "pvary":
             return [vary(args[0], eqn.params["axes"])]
-        ans = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+        ans = eqn.primitive.bind(*_alike(eqn, args), **eqn.primitive.get_bind_params(eqn.params))
     return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def _alike(eqn, args: list) -> list:
+    """`args` (traced values and the jaxpr's literals) all varying over the union of their axes
+    (bind_lenient)."""
+    if len(args) < 2 or "axis_name" in eqn.params or "axes" in eqn.params:
+        return args
+    axes = [varying_axes(a) for a in args]
+    union = frozenset().union(*axes)
+    if all(a == union for a in axes):
+        return args
+    return [a if x == union else vary(a, tuple(sorted(union))) for a, x in zip(args, axes)]
 
 
 def replay(closed, args: list) -> list:
