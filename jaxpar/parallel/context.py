@@ -300,6 +300,11 @@ class Ring(NamedTuple):
     def perm(self):
         return [(i, (i + 1) % self.size) for i in range(self.size)]
 
+    def query_positions(self, local: int):
+        """[nq, bq] global positions of this device's queries (`local` tokens of a sequence)."""
+        me = jax.lax.axis_index(AXIS)
+        return device_positions(self.layout, self.size, local * self.size, me).reshape(-1, self.bq)
+
     def key_positions(self, step, local: int):
         """[nk, bk] global positions of the chunk a device holds after `step` ring steps (its
         owner is `step` devices before it)."""
@@ -389,7 +394,7 @@ def _home(x):
 def _gathered_forward(r: Ring, qb, kb, vb, qs, ks):
     local = qb.shape[0] * r.bq
     me = jax.lax.axis_index(AXIS)
-    qp = device_positions(r.layout, r.size, local * r.size, me).reshape(-1, r.bq)
+    qp = r.query_positions(local)
     state = vary_together(init_state(qb), qb, kb, vb, qs, ks, qp)
     kv = tuple(_every_device(x, r.size) for x in (kb, vb, ks))
 
@@ -406,7 +411,7 @@ def _gathered_bwd(r: Ring, res, do):
     qb, kb, vb, qs, ks, o, lse = res
     local = qb.shape[0] * r.bq
     me = jax.lax.axis_index(AXIS)
-    qp = device_positions(r.layout, r.size, local * r.size, me).reshape(-1, r.bq)
+    qp = r.query_positions(local)
     delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
     kv = tuple(_every_device(x, r.size) for x in (kb, vb, ks))
     dq = jnp.zeros(qb.shape, F32)
@@ -430,7 +435,7 @@ def _ring_forward(r: Ring, qb, kb, vb, qs, ks):
     if r.gather:
         return _gathered_forward(r, qb, kb, vb, qs, ks)
     local = qb.shape[0] * r.bq
-    qp = device_positions(r.layout, r.size, local * r.size, jax.lax.axis_index(AXIS)).reshape(-1, r.bq)
+    qp = r.query_positions(local)
     state = vary_together(init_state(qb), qb, kb, vb, qs, ks, qp)
     send = lambda x: jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, r.perm()), x)
 
@@ -460,7 +465,7 @@ def _ring_bwd(r, res, do):
         return _gathered_bwd(r, res, do)
     qb, kb, vb, qs, ks, o, lse = res
     local = qb.shape[0] * r.bq
-    qp = device_positions(r.layout, r.size, local * r.size, jax.lax.axis_index(AXIS)).reshape(-1, r.bq)
+    qp = r.query_positions(local)
     delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
     dq = jnp.zeros(qb.shape, F32)
     dkv = (jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
