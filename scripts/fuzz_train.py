@@ -9,7 +9,8 @@ Modes (the tiny model with 4 layers, 3 or 4 steps, 8 forced CPU devices, one pro
   equal   float32 on a random layout (mesh, ZeRO stage, remat, accumulation, pipeline schedule and
           recompute, context strategy and layout, sequence parallel, XLA or blockwise attention,
           chunked loss, tied embeddings, MoE (dropless or capacity, with or without a shared
-          expert; --moe: every run)): the losses of steps 1-3 and the first grad norm equal the
+          expert; --moe: every run), packed documents with or without per-document positions
+          (--packed: every run)): the losses of steps 1-3 and the first grad norm equal the
           data=8 run of the same model
   mixed   the same with bf16/fp16 compute, bf16 params, each compression method and scope, 1-bit
           Adam, local SGD, bf16 moments and reductions, the non-finite guard: trains, finite, its
@@ -55,8 +56,14 @@ LOSS_TOL, NORM_TOL = 1e-4, 1e-3
 MIXED_TOL = 3e-2  # 16-bit compute and params against float32, before any update
 
 
-def model_opts(r: random.Random, moe: bool = False) -> list[str]:
+PACKED = ["data.source=bin", "data.bin_path=corpus.bin", "data.packing=true"]  # Runner writes it
+
+
+def model_opts(r: random.Random, moe: bool = False, packed: bool = False) -> list[str]:
+    """The model and its data (the reference run shares them)."""
     out = []
+    if packed or r.random() < 0.25:
+        out += PACKED + (["data.reset_positions=true"] if r.random() < 0.5 else [])
     if moe or r.random() < 0.3:
         out += ["model.moe.num_experts=4", "model.moe.top_k=2"]
         # capacity drops per sequence in its priority order on every layout (0.5: about half)
@@ -132,11 +139,24 @@ def sync_opts(r: random.Random, always: bool = False) -> list[str]:
     return out
 
 
+def write_corpus(path: Path, docs: int = 400, eos: int = 0, seed: int = 0) -> None:
+    """Documents of random tokens in the tiny model's vocabulary (256), each ending with `eos`,
+    some longer than a row: a .bin with its .idx and .json, as `jaxpar data prepare` writes."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    lengths = rng.choice([3, 5, 9, 14, 20, 33, 40, 75], size=docs)
+    tokens = np.concatenate([np.append(rng.integers(1, 256, n - 1), eos) for n in lengths])
+    tokens.astype("<u2").tofile(path)
+    np.cumsum([0, *lengths]).astype("<u8").tofile(f"{path}.idx")
+    Path(f"{path}.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 256, "eos_id": eos}))
+
+
 class Runner:
     def __init__(self, work: Path):
         self.work = work
         work.mkdir(parents=True, exist_ok=True)
         (work / "empty.yaml").write_text("{}\n")
+        write_corpus(work / "corpus.bin")
         self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
                         XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
                         JAX_COMPILATION_CACHE_DIR=str(work / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
@@ -208,13 +228,15 @@ def main(argv=None) -> int:
     ap.add_argument("--compressed", action="store_true", help="every run a compressed reduction, 1-bit "
                     "Adam or local SGD (resume mode: resumed on the same layout, whose state it is)")
     ap.add_argument("--moe", action="store_true", help="every run a MoE model (dropless or capacity)")
+    ap.add_argument("--packed", action="store_true", help="every run on packed documents (with or "
+                    "without data.reset_positions)")
     args = ap.parse_args(argv)
     tmp = None if args.work else tempfile.TemporaryDirectory(prefix="jaxpar-fuzz-")
     run = Runner(Path(args.work or tmp.name))
     r = random.Random(args.seed)
     jobs = []
     for i in range(args.runs):
-        model = model_opts(r, args.moe)
+        model = model_opts(r, args.moe, args.packed)
         moe = any("moe" in o for o in model)
         if args.mode == "resume" and args.compressed:  # its state (residuals, replicas) is the layout's
             a = layout_opts(r, moe, args.mesh_axis) + sync_opts(r, always=True)

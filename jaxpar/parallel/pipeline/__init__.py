@@ -33,15 +33,6 @@ def check_pipeline_layout(cfg, plan, check_model: bool = True) -> None:
     m = pc.resolved_microbatches(t.grad_accum)
     check_schedule(pc.schedule, p, m, pc.virtual_stages, cfg.model.n_layers if check_model else None,
                    pc.recompute)
-    if cfg.data.packing and cfg.data.reset_positions and not pc.recompute:
-        # per-row RoPE tables: JAX gives a stage's vjp a different number of residuals in
-        # different ticks (4 or 8 a layer), so they cannot have fixed stash slots (runner.py)
-        raise ConfigError(
-            f"data.reset_positions=true with mesh.pipeline={p} needs pipeline.recompute=true (a "
-            f"stage does not stash residuals of per-row positions yet; zb_h1 always stashes: use "
-            f"another schedule). Under data.packing attention never crosses documents and RoPE "
-            f"scores depend only on relative positions, so data.reset_positions=false trains the "
-            f"same model (gradients equal to float rounding)")
     dp = plan.batch_size_divisor
     if t.global_batch % (dp * m):
         raise ConfigError(

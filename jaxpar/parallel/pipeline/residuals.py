@@ -75,9 +75,10 @@ class StashPlan:
             self.treedef, self.refs = treedef, refs
             self.avals = tuple(jax.typeof(a) for a in leaves)
         elif refs != self.refs or treedef.num_leaves != self.treedef.num_leaves:
-            raise RuntimeError("a pipeline stage's vjp changed structure between traces (a model input "
-                               "such as per-row positions gives it residuals JAX counts differently in "
-                               "different traces); run it with pipeline.recompute=true")
+            raise RuntimeError("a pipeline stage's vjp changed structure between traces (an input typed "
+                               "differently in different traces gives it residuals JAX counts "
+                               "differently: runner.mb_at types every microbatch alike); run it with "
+                               "pipeline.recompute=true")
         return [a for a, r in zip(leaves, refs) if r is None]
 
     def program(self, g):

@@ -192,7 +192,12 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             g = scatter(g, {n: flat_specs[n] for n in g})
             return {n: acc[n] + g[n].astype(acc[n].dtype) for n in acc}
 
-        mb_at = lambda i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), mbs)
+        # typed varying over every manual axis whatever `i` is: a tick's index varies over
+        # `pipeline`, the shape traces' 0 does not, and the stage's vjp must have one structure
+        # (per-row positions computed from it would otherwise be cast per use in one trace and
+        # shared in another: a different residual count, residuals.StashPlan.split)
+        mb_at = lambda i: jax.tree.map(
+            lambda a: vary(jax.lax.dynamic_index_in_dim(a, i, keepdims=False), manual), mbs)
         x_sds = jax.eval_shape(lambda: pre(top, chunk(0), mb_at(0)))
         zeros_x = jax.tree.map(lambda s: vary(jnp.zeros(s.shape, s.dtype), manual), x_sds)
         sown_sds = jax.eval_shape(
