@@ -96,6 +96,7 @@ def make_accumulation(model, plan: Plan, forward: Forward, sync: GradientSync, *
     """The pipeline's runner when mesh.pipeline > 1, else the microbatch scan."""
     if plan.mesh.shape.get("pipeline", 1) > 1:
         return make_step_pipeline(model, plan, pipeline_cfg, grad_accum, forward.ctx, forward.prepare_top,
+                                  forward.cast_layers,
                                   sync.microbatch, sync.grad_out, forward.context.split)
     varying = tuple(sorted(a for a in sync.manual if plan.mesh.shape[a] > 1))
     accum = grad_dtype(grad_accum, sync.wire_dtype)

@@ -32,6 +32,7 @@ class Forward:
     prepare_top: Callable
     run: Callable
     context: ContextParallel = ContextParallel()
+    cast_layers: Callable = lambda state: state  # prepare_top's casts of the layer stacks alone
 
     def __call__(self, params, rows, taps=None):
         """`taps`: the nn.Context.layer_taps of this call (train/layer_grads.py), or None."""
@@ -54,6 +55,7 @@ def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dt
                      attention=cp.attention(), sequence_sum=cp.sequence_sum())
     stacked = {k for k, ax in model.leaves_with_paths(model.axes).items() if ax[:1] == ("layers",)}
     prepare_top = lambda st: _prepare_top(st, prepare, stacked)
+    cast_layers = lambda st: _prepare_top(st, prepare, stacked, stacks_only=True)
 
     def forward(params, rows, taps=None):
         state = prepare_top(model.state(params))
@@ -64,7 +66,7 @@ def make_forward(model: ModelDef, plan: Plan, manual: frozenset[str], compute_dt
 
     # ZeRO-3: embeddings and head are gathered again for the backward too
     run = never_save_ends(model, ctx, prepare_top) if ctx.never_save else forward
-    return Forward(ctx, prepare_top, run, cp)
+    return Forward(ctx, prepare_top, run, cp, cast_layers)
 
 
 class _Stop(Exception):
@@ -129,12 +131,16 @@ def never_save_ends(model: ModelDef, ctx: nn.Context, prepare_top: Callable) -> 
     return forward
 
 
-def _prepare_top(state, prepare, stacked_paths: set[str]):
+def _prepare_top(state, prepare, stacked_paths: set[str], stacks_only: bool = False):
     """Cast/gather the params used outside the layer scan (embeddings, final norm, head) and cast
-    the layer stacks that need no per-layer gather (see jaxpar.parallel.data.param_preparer)."""
+    the layer stacks that need no per-layer gather (see jaxpar.parallel.data.param_preparer);
+    `stacks_only`: the layer stacks' casts alone (the others left as they are)."""
     flat = nnx.to_flat_state(state)
     items = []
     for path, var in flat:
         stacked = "/".join(map(str, path)) in stacked_paths
+        if stacks_only and not stacked:
+            items.append((path, var))
+            continue
         items.append((path, prepare({"v": var}, stacked=stacked, cast_only=stacked)["v"]))
     return nnx.from_flat_state(items)

@@ -54,12 +54,13 @@ class PipelineAccumulation:
 
 
 def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_top: Callable,
-                       scatter: Callable, grad_specs: Any,
+                       cast_layers: Callable, scatter: Callable, grad_specs: Any,
                        rows: Callable | None = None) -> PipelineAccumulation:
     """What the train step runs instead of the microbatch scan when mesh.pipeline > 1;
-    `scatter(grads, specs)` is the sync's per-microbatch hook, `grad_specs` its `grad_out`,
-    `rows(mb)` a microbatch's Rows on this device (under mesh.context: its part of each
-    sequence, parallel/context.ContextParallel.split)."""
+    `prepare_top` and `cast_layers` are the forward's (train/forward.py), `scatter(grads,
+    specs)` is the sync's per-microbatch hook, `grad_specs` its `grad_out`, `rows(mb)` a
+    microbatch's Rows on this device (under mesh.context: its part of each sequence,
+    parallel/context.ContextParallel.split)."""
     cfg = pipeline_cfg or PipelineConfig()
     p = plan.mesh.shape["pipeline"]
     m = cfg.resolved_microbatches(grad_accum)
@@ -79,8 +80,8 @@ def make_step_pipeline(model, plan, pipeline_cfg, grad_accum: int, ctx, prepare_
     tt = build_timetable(cfg.schedule, p, m, cfg.virtual_stages, cfg.recompute)
     manual = frozenset(plan.batch_axes) | {"pipeline", "context"}
     busy = tuple(sorted(a for a in manual if plan.mesh.shape.get(a, 1) > 1))
-    return PipelineAccumulation(make_pipeline_grads(model, tt, ctx, prepare_top, scatter, grad_specs, stacked,
-                                                    busy, rows), m)
+    return PipelineAccumulation(make_pipeline_grads(model, tt, ctx, prepare_top, cast_layers, scatter,
+                                                    grad_specs, stacked, busy, rows), m)
 
 
 __all__ = ["SCHEDULES", "Timetable", "build_timetable", "check_pipeline_layout", "check_schedule",

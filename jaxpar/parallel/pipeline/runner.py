@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxpar import nn
 from jaxpar.sharding import vary, varying_axes
-from jaxpar.train.model import nest
+from jaxpar.train.model import nest, pure_dict
 from jaxpar.parallel.pipeline.residuals import StashPlan
 from jaxpar.parallel.pipeline.split import LayerSplit
 from jaxpar.parallel.pipeline.schedule import (B_FIRST, B_LAST, B_MID, BX_FIRST, BX_LAST, BX_MID,
@@ -114,14 +114,15 @@ class WRing(NamedTuple):
 
 
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
-                        scatter: Callable, grad_specs: Any, stacked: set[tuple],
+                        cast_layers: Callable, scatter: Callable, grad_specs: Any, stacked: set[tuple],
                         manual: tuple[str, ...] = (), rows: Callable | None = None) -> Callable:
     """run(params, mbs, loss) -> (losses [1], local grads, sown [1]): the pipelined equivalent
     of summing jax.value_and_grad(loss) over the microbatches `mbs` (the step's batch: every
     field [m, b, ...], tokens [m, b, seq+1]; `mb.rows().apply(model)` runs the model on one), with
     `loss` the step's train.loss.MicrobatchLoss (the same normalisation and sown weighting).
 
-    `prepare_top(state)` casts/gathers the non-layer params, `scatter(grads, specs)` is the
+    `prepare_top(state)` casts/gathers the non-layer params, `cast_layers(state)` casts the layer
+    stacks that need no per-layer gather to the compute dtype, `scatter(grads, specs)` is the
     per-microbatch gradient hook (the sync's: ZeRO-2), `stacked` the param paths with a `layers` dim,
     `manual` the shard_map's manual axes of size > 1: every tick's carry (accumulators, ring
     buffers) and every branch's zeros vary over them (check_vma), as what fills them does.
@@ -177,10 +178,18 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return loss_fn(logits, rows(tok), sown)
 
         def chunk(k):
-            return {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))
-                    for n, a in lay.items()}
+            """The layer params of this device's chunk k in the compute dtype, cast here, outside
+            every vjp, so that a stage's vjp references them: a cast inside it is a residual, a
+            copy of the stage's weights stashed per microbatch in flight. Their gradients come
+            back in that dtype (add_chunk casts them to the params')."""
+            raw = {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))
+                   for n, a in lay.items()}
+            cast = flatten(pure_dict(cast_layers(model.state(nest({**top, **raw})))))
+            return {n: cast[n] for n in raw}
 
         def add_chunk(acc, g, k):
+            # the cast's transpose: what the gradient of a weight cast inside the vjp would be
+            g = {n: g[n].astype(lay[n].dtype) for n in g}
             g = scatter(g, {n: flat_specs[n] for n in g})
             if v == 1:
                 return {n: acc[n].at[0].add(g[n].astype(acc[n].dtype)) for n in acc}
