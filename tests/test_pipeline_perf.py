@@ -216,12 +216,12 @@ def test_stash_references_params_not_copies():
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_a_bf16_stage_stashes_no_copy_of_its_weights(schedule, devices, monkeypatch):
-    """bf16 compute of float32 params: a stage's weights are cast once per tick, outside its vjp,
-    so its vjp references the cast weights as it references float32 ones, and a microbatch in
-    flight stashes activations only. Cast inside (per layer, in the layer scan), every cast was
-    a residual: a bf16 copy of the stage's weights per microbatch in flight, compiled temp 49.3
-    MiB here against float32's 27.4 (2026-12-07; 24.2 since). A model whose weights outweigh a
-    microbatch's activations (dim 256, ffn 1024, 16 tokens a row)."""
+    """bf16 compute of float32 params: the layer stacks are cast once for the step, outside every
+    tick and vjp, so a stage's vjp references the cast weights as it references float32 ones,
+    and a microbatch in flight stashes activations only. Cast inside (per layer, in the layer
+    scan), every cast was a residual: a bf16 copy of the stage's weights per microbatch in
+    flight, compiled temp 49.3 MiB here against float32's 27.4 (2026-12-07; 24.2 since). A
+    model whose weights outweigh a microbatch's activations (dim 256, ffn 1024, 16 tokens a row)."""
     from jaxpar.parallel.pipeline.residuals import StashPlan
     split, refs = StashPlan.split, {}
 

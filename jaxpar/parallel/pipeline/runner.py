@@ -146,8 +146,15 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
     def run(params, mbs, loss_fn):
         flat = flatten(params)
         top = {k: a for k, a in flat.items() if k not in stacked}
+        # The layer stacks in the compute dtype, cast once for the step, outside every tick and
+        # vjp: a stage's vjp references them as it does float32 weights (a cast inside it is a
+        # residual, a copy of the stage's weights stashed per microbatch in flight), and no
+        # tick casts again. Their gradients come back in that dtype (add_chunk casts them to
+        # the params').
+        cast = flatten(pure_dict(cast_layers(model.state(params))))
+        dtypes = {k: flat[k].dtype for k in stacked}
         # the plan stores chunk k*p + d as device d's k-th (Plan.layer_order): the order it runs them
-        lay = {k: a.reshape(v, a.shape[0] // v, *a.shape[1:]) for k, a in flat.items() if k in stacked}
+        lay = {k: a.reshape(v, a.shape[0] // v, *a.shape[1:]) for k, a in cast.items() if k in stacked}
 
         def call(top, lay_k, mb, hook, prep):
             state = model.state(nest({**top, **lay_k}))
@@ -178,18 +185,12 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             return loss_fn(logits, rows(tok), sown)
 
         def chunk(k):
-            """The layer params of this device's chunk k in the compute dtype, cast here, outside
-            every vjp, so that a stage's vjp references them: a cast inside it is a residual, a
-            copy of the stage's weights stashed per microbatch in flight. Their gradients come
-            back in that dtype (add_chunk casts them to the params')."""
-            raw = {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))
-                   for n, a in lay.items()}
-            cast = flatten(pure_dict(cast_layers(model.state(nest({**top, **raw})))))
-            return {n: cast[n] for n in raw}
+            return {n: (a[0] if v == 1 else jax.lax.dynamic_index_in_dim(a, k, keepdims=False))
+                    for n, a in lay.items()}
 
         def add_chunk(acc, g, k):
             # the cast's transpose: what the gradient of a weight cast inside the vjp would be
-            g = {n: g[n].astype(lay[n].dtype) for n in g}
+            g = {n: g[n].astype(dtypes[n]) for n in g}
             g = scatter(g, {n: flat_specs[n] for n in g})
             if v == 1:
                 return {n: acc[n].at[0].add(g[n].astype(acc[n].dtype)) for n in acc}
