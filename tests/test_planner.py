@@ -820,6 +820,20 @@ GPU_COMPILED_GIB = {
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3 train.remat=none": 8.87,
     "mesh.data=1 mesh.fsdp=4 mesh.tensor=2 sharding.zero_stage=3 train.remat=none": 10.02,  # 10.67 before 278918f
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1": 9.00,
+    # pipelines (2026-12-07, the runner's layer stacks cast once for the step): the stash in
+    # the ring buffers is XLA:GPU's (memory.gpu_token_layer_bytes), a tick holds one stage's more
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=2": 17.37,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none train.global_batch=16": 27.00,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=full train.global_batch=16": 14.48,
+    "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none pipeline.schedule=zb_h1 "
+    "train.global_batch=16": 19.34,
+    "mesh.data=2 mesh.pipeline=4 train.grad_accum=4 train.remat=none pipeline.schedule=gpipe": 17.38,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none pipeline.recompute=true "
+    "train.global_batch=16": 16.45,
+    # beside tensor parallelism XLA:CPU's terms (memory.estimate): 1.03, 1.09 of these
+    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 16.54,
+    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none "
+    "sharding.sequence_parallel=true": 14.42,
 }
 
 
@@ -827,12 +841,13 @@ GPU_COMPILED_GIB = {
 def test_gpu_memory_within_15_percent_of_xla_gpu(overrides):
     """The planner's memory with platform "gpu" against XLA:GPU's compiled figures above (no GPU
     plugin needed). To regenerate them, with jax-cuda12-plugin installed (no GPU needed), run
-    scripts/gpu_aot.py --layout "<layout>" and read its 'args + temp' per layout. Pipelines are
-    not in the table: their GPU terms are still XLA:CPU's (docs/planner.md, Not done)."""
+    scripts/gpu_aot.py --layout "<layout>" and read its 'args + temp' per layout. A pipeline
+    beside tensor parallelism is scored with XLA:CPU's terms (docs/planner.md)."""
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/llama_1b.yaml",
                       ["checkpoint.enabled=false", *overrides.split()])
     layout = Layout.of_config(cfg, 8)
     model = ModelDef.from_factory(llama_model_factory(cfg))
     gpu = estimate(cfg, layout, model, platform="gpu")["total"] / 2**30
     assert gpu == pytest.approx(GPU_COMPILED_GIB[overrides], rel=0.15), (gpu, overrides)
-    assert estimate(cfg, layout, model)["total"] / 2**30 > gpu  # XLA:CPU's terms are unchanged
+    # XLA:CPU's terms are unchanged (and what a pipeline beside tensor keeps on a GPU)
+    assert estimate(cfg, layout, model)["total"] / 2**30 >= gpu

@@ -48,7 +48,10 @@ differs (read off the compiled step's live buffers at its peak, 8 H200 deviceles
     gathered    ZeRO-3 only: ZeRO-1/2's all-gather writes the donated params in place
     update      0: it runs after the backward freed the activations
 and the peak is at the loss: the backward's gradient (and a remat's recomputed layer) is made
-after the logits are freed, so the total counts the larger of logits and grads + working.
+after the logits are freed, so the total counts the larger of logits and grads + working. A
+pipeline's stage stash on a GPU is GPU_KEPT's leaves in its ring buffer, with GPU_STASH_TICK
+stages more in a tick, and every term is summed; beside tensor parallelism a pipeline keeps
+XLA:CPU's terms (estimate).
 """
 from __future__ import annotations
 
@@ -85,6 +88,10 @@ BOUNDARY_TICK = 5
 # ring's spare one while the slot W reads was sliced before the switch and every tick filed its
 # w_out: 40.07 -> 28.57 MiB compiled temp at data 4 x pipeline 2, remat full, 2026-12-03.)
 W_TICK = 1
+# XLA:GPU: a tick holds one stage's residuals besides the ring (its forward's new ones, or the
+# slot its backward reads), not XLA:CPU's three (1B preset, 8 H200 deviceless, seven pipelines
+# of p 2 and 4: 1f1b, gpipe, zb_h1, remat none / dots / full, 2026-12-07).
+GPU_STASH_TICK = 1
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
 # XLA:GPU (jax 0.12, cuDNN attention, 8 H200 deviceless, 2026-12-03): what the layer scan
@@ -260,19 +267,35 @@ def estimate(cfg: Config, layout: Layout, model, state: dict | None = None,
     `state`: state_terms of this layout when already known (the search caches them); `platform`
     the cluster's (XLA's buffer assignment differs: module doc). 'total' is what the compiled
     step needs: its arguments plus its temporaries."""
+    # XLA:GPU's terms where they were read off it; a pipeline beside tensor parallelism keeps
+    # XLA:CPU's (1.08-1.14 of XLA:GPU's compiled figure on the 1B preset at p 2 x t 2, where
+    # the GPU terms give 0.88-0.92: something more than the stash is live there, not yet found)
+    gpu = platform == "gpu" and not (layout.size("pipeline") > 1 and layout.size("tensor") > 1)
     out = dict(state if state is not None else state_terms(cfg, layout, model))
-    out.update(activation_terms(cfg, layout))
+    out.update(activation_terms(cfg, layout, "gpu" if gpu else "cpu"))
     if layout.zero_stage in (1, 2) and layout.size("fsdp") > 1:  # the gathered params' buffer
         p = itemsize(cfg.train.param_dtype)
         out["gathered"] *= param_gather_itemsize(p, platform) / p
-    if platform == "gpu" and layout.size("pipeline") == 1:
+    if gpu:
         out.update(gpu_terms(cfg, layout, out))
+    if gpu and layout.size("pipeline") == 1:
         backward = out["grads"] + out["working"]
         out["total"] = sum(v for k, v in out.items() if k not in ("logits", "grads", "working"))
         out["total"] += max(out["logits"], backward)  # the loss's peak or the backward's
         return out
     out["total"] = sum(out.values())
     return out
+
+
+def gpu_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, sequence_parallel: bool) -> float:
+    """Bytes XLA:GPU keeps per token and layer for the backward under `remat` (GPU_KEPT): the
+    layer scan's stacked residuals, and a pipeline stage's stashed vjp leaves alike (read off
+    the runner's ring buffers: 2 D, 4 float32 D, 3 H hd, 2 K hd and 6 F a layer without remat,
+    the 1B preset at data 4 x pipeline 2, 2026-12-07)."""
+    k = GPU_KEPT[remat]
+    d = ms.dim / t if sequence_parallel else ms.dim
+    return (c * (k["d"] * d + (k["q"] * ms.heads + k["kv"] * ms.kv_heads) * ms.head_dim / t
+                 + k["mlp"] * ms.ffn / t) + 4 * k["d32"] * d)
 
 
 def gpu_terms(cfg: Config, layout: Layout, terms: dict[str, float]) -> dict[str, float]:
@@ -284,15 +307,13 @@ def gpu_terms(cfg: Config, layout: Layout, terms: dict[str, float]) -> dict[str,
     acts_tokens = _tokens(cfg, layout)
     seqs = acts_tokens / t.seq_len * layout.size("context")
     tokens = min(acts_tokens, t.loss_chunk * seqs) if t.loss_chunk else acts_tokens  # the loss's
-    k = GPU_KEPT[layout.remat]
-    d = ms.dim / tp if cfg.sharding.sequence_parallel else ms.dim
-    per_layer = (c * (k["d"] * d + (k["q"] * ms.heads + k["kv"] * ms.kv_heads) * ms.head_dim / tp
-                      + k["mlp"] * ms.ffn / tp) + 4 * k["d32"] * d)
-    out = {"activations": acts_tokens * ms.layers * per_layer,
-           "logits": tokens * ms.vocab / tp * (4 + c), "update": 0.0,
+    out = {"logits": tokens * ms.vocab / tp * (4 + c), "update": 0.0,
            # the forward's compute-dtype params, live until the backward's last use
            "cast": terms["params"] / itemsize(t.param_dtype) * c
            if layout.zero_stage < 3 and c != itemsize(t.param_dtype) else 0.0}
+    if layout.size("pipeline") == 1:  # a pipeline's are activation_terms' on platform gpu
+        per_layer = gpu_token_layer_bytes(ms, layout.remat, c, tp, cfg.sharding.sequence_parallel)
+        out["activations"] = acts_tokens * ms.layers * per_layer
     if layout.zero_stage < 3:
         out["gathered"] = 0.0
     if layout.zero_stage == 1 and layout.size("fsdp") > 1 and layout.micro == 1:
@@ -359,8 +380,9 @@ def state_terms(cfg: Config, layout: Layout, model) -> dict[str, float]:
     return out
 
 
-def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
-    """activations, working, w_kept, boundary, logits, batch (module doc)."""
+def activation_terms(cfg: Config, layout: Layout, platform: str = "cpu") -> dict[str, float]:
+    """activations, working, w_kept, boundary, logits, batch (module doc); on a GPU a pipeline
+    stage's stash is XLA:GPU's (gpu_token_layer_bytes) and a tick holds GPU_STASH_TICK more."""
     t = cfg.train
     c = itemsize(t.compute_dtype)
     out = {"w_kept": 0.0, "boundary": 0.0}
@@ -383,6 +405,11 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
         tt = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, layout.recompute)
         # one microbatch's stage residuals, the stage vjp's leaves (STASHED by the remat policy)
         stashed = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp, STASHED)
+        tick = STASH_TICK
+        if platform == "gpu":
+            stashed = gpu_token_layer_bytes(ms, layout.remat, c, tp, sp)
+            full = gpu_token_layer_bytes(ms, "none", c, tp, sp)
+            tick = GPU_STASH_TICK
         stage = tokens * layers / v * stashed
         if layout.recompute:
             # A stage keeps each in-flight microbatch's input (the x ring: its slots and the
@@ -396,7 +423,7 @@ def activation_terms(cfg: Config, layout: Layout) -> dict[str, float]:
             # nobody); a tick holds STASH_TICK more (its slot read, the copy, the zeros, its own
             # forward's).
             out["activations"] = (tt.n_r_slots + 1) * stage
-            out["working"] = STASH_TICK * stage
+            out["working"] = tick * stage
             boundary = tt.n_x_slots + 1 + tt.n_g_slots + 1 + BOUNDARY_TICK
         if layout.remat != "none":
             # the backward (Bx with zb_h1) recomputes one layer at a time what the policy did not
