@@ -293,8 +293,9 @@ def test_megatron_weak_scaling_best_plans_fit_with_tensor_in_a_node(run):
 @pytest.mark.parametrize("run", [WEAK_SCALING[i] for i in (0, 1, 2, 5, 6)], ids=lambda r: r.name)
 def test_megatron_weak_scaling_best_plans_within_20_percent(run):
     """1.7B on 32, 3.6B on 64, 7.5B on 128, 76.1B on 1024 and 145.6B on 1536 A100s (the last
-    two: tensor 8 with sequence parallelism on a pipeline, no full recomputation, the layouts of
-    Korthikanti et al.): the planner's best plan
+    two: tensor parallelism with sequence parallelism on a pipeline, no full recomputation, the
+    regime of Korthikanti et al.; 76.1B Megatron's tensor 8 itself, 145.6B tensor 4 on 16 zb_h1
+    stages since the GPU pipeline memory, 2026-12-07, 1% ahead of it): the planner's best plan
     (tensor in a node, fits) is predicted within 20% of a published measurement of its kind:
     for ZeRO-3 without tensor, pipeline or recomputation (1.7B, 3.6B) llm-foundry's FULL_SHARD
     rows nearest in width and GPU count; else Megatron's figure, times the gain the same team
@@ -303,7 +304,8 @@ def test_megatron_weak_scaling_best_plans_within_20_percent(run):
     r = _best_plan(run)
     assert r["tensor_in_node"] and r["fits"], r
     if run.hidden >= 10240:
-        assert "tensor=8" in r["plan"] and "seqpar" in r["plan"] and "remat=none" in r["plan"], r
+        assert "pipeline=" in r["plan"] and "seqpar" in r["plan"] and "remat=full" not in r["plan"], r
+        assert r["tensor"] >= 4, r
     assert abs(r["best_tflops"] / r["reference_tflops"] - 1) <= 0.20, r
     assert r["reference"].startswith("FULL_SHARD") == (run.hidden <= 3072), r
 
@@ -830,10 +832,12 @@ GPU_COMPILED_GIB = {
     "mesh.data=2 mesh.pipeline=4 train.grad_accum=4 train.remat=none pipeline.schedule=gpipe": 17.38,
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none pipeline.recompute=true "
     "train.global_batch=16": 16.45,
-    # beside tensor parallelism XLA:CPU's terms (memory.estimate): 1.03, 1.09 of these
+    # beside tensor parallelism a tick's backward branch copies its slot too (GPU_STASH_TICK)
+    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4": 10.12,
     "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 16.54,
     "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none "
     "sharding.sequence_parallel=true": 14.42,
+    "mesh.data=1 mesh.fsdp=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 15.15,
 }
 
 
@@ -841,13 +845,11 @@ GPU_COMPILED_GIB = {
 def test_gpu_memory_within_15_percent_of_xla_gpu(overrides):
     """The planner's memory with platform "gpu" against XLA:GPU's compiled figures above (no GPU
     plugin needed). To regenerate them, with jax-cuda12-plugin installed (no GPU needed), run
-    scripts/gpu_aot.py --layout "<layout>" and read its 'args + temp' per layout. A pipeline
-    beside tensor parallelism is scored with XLA:CPU's terms (docs/planner.md)."""
+    scripts/gpu_aot.py --layout "<layout>" and read its 'args + temp' per layout."""
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/llama_1b.yaml",
                       ["checkpoint.enabled=false", *overrides.split()])
     layout = Layout.of_config(cfg, 8)
     model = ModelDef.from_factory(llama_model_factory(cfg))
     gpu = estimate(cfg, layout, model, platform="gpu")["total"] / 2**30
     assert gpu == pytest.approx(GPU_COMPILED_GIB[overrides], rel=0.15), (gpu, overrides)
-    # XLA:CPU's terms are unchanged (and what a pipeline beside tensor keeps on a GPU)
-    assert estimate(cfg, layout, model)["total"] / 2**30 >= gpu
+    assert estimate(cfg, layout, model)["total"] / 2**30 > gpu  # XLA:CPU's terms are unchanged

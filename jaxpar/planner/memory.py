@@ -50,8 +50,7 @@ differs (read off the compiled step's live buffers at its peak, 8 H200 deviceles
 and the peak is at the loss: the backward's gradient (and a remat's recomputed layer) is made
 after the logits are freed, so the total counts the larger of logits and grads + working. A
 pipeline's stage stash on a GPU is GPU_KEPT's leaves in its ring buffer, with GPU_STASH_TICK
-stages more in a tick, and every term is summed; beside tensor parallelism a pipeline keeps
-XLA:CPU's terms (estimate).
+stages more in a tick, and every term is summed.
 """
 from __future__ import annotations
 
@@ -89,9 +88,12 @@ BOUNDARY_TICK = 5
 # w_out: 40.07 -> 28.57 MiB compiled temp at data 4 x pipeline 2, remat full, 2026-12-03.)
 W_TICK = 1
 # XLA:GPU: a tick holds one stage's residuals besides the ring (its forward's new ones, or the
-# slot its backward reads), not XLA:CPU's three (1B preset, 8 H200 deviceless, seven pipelines
-# of p 2 and 4: 1f1b, gpipe, zb_h1, remat none / dots / full, 2026-12-07).
-GPU_STASH_TICK = 1
+# slot its backward reads), not XLA:CPU's three; beside tensor parallelism two: the backward's
+# branch copies the slot it reads (the peak's live buffers: the slot's leaves as copies inside
+# the branch, beside the dynamic slice). 1B preset, 8 H200 deviceless, twelve pipelines of p 2
+# and 4 (1f1b, gpipe, zb_h1, recompute; remat none, dots, full; tensor 2, sequence parallel),
+# 2026-12-07.
+GPU_STASH_TICK = {False: 1, True: 2}  # by tensor > 1
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
 # XLA:GPU (jax 0.12, cuDNN attention, 8 H200 deviceless, 2026-12-03): what the layer scan
@@ -267,12 +269,9 @@ def estimate(cfg: Config, layout: Layout, model, state: dict | None = None,
     `state`: state_terms of this layout when already known (the search caches them); `platform`
     the cluster's (XLA's buffer assignment differs: module doc). 'total' is what the compiled
     step needs: its arguments plus its temporaries."""
-    # XLA:GPU's terms where they were read off it; a pipeline beside tensor parallelism keeps
-    # XLA:CPU's (1.08-1.14 of XLA:GPU's compiled figure on the 1B preset at p 2 x t 2, where
-    # the GPU terms give 0.88-0.92: something more than the stash is live there, not yet found)
-    gpu = platform == "gpu" and not (layout.size("pipeline") > 1 and layout.size("tensor") > 1)
+    gpu = platform == "gpu"
     out = dict(state if state is not None else state_terms(cfg, layout, model))
-    out.update(activation_terms(cfg, layout, "gpu" if gpu else "cpu"))
+    out.update(activation_terms(cfg, layout, platform))
     if layout.zero_stage in (1, 2) and layout.size("fsdp") > 1:  # the gathered params' buffer
         p = itemsize(cfg.train.param_dtype)
         out["gathered"] *= param_gather_itemsize(p, platform) / p
@@ -409,7 +408,7 @@ def activation_terms(cfg: Config, layout: Layout, platform: str = "cpu") -> dict
         if platform == "gpu":
             stashed = gpu_token_layer_bytes(ms, layout.remat, c, tp, sp)
             full = gpu_token_layer_bytes(ms, "none", c, tp, sp)
-            tick = GPU_STASH_TICK
+            tick = GPU_STASH_TICK[tp > 1]
         stage = tokens * layers / v * stashed
         if layout.recompute:
             # A stage keeps each in-flight microbatch's input (the x ring: its slots and the
