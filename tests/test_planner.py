@@ -822,22 +822,23 @@ GPU_COMPILED_GIB = {
     "mesh.data=1 mesh.fsdp=8 sharding.zero_stage=3 train.remat=none": 8.87,
     "mesh.data=1 mesh.fsdp=4 mesh.tensor=2 sharding.zero_stage=3 train.remat=none": 10.02,  # 10.67 before 278918f
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1": 9.00,
-    # pipelines (2026-12-07, the runner's layer stacks cast once for the step): the stash in
+    # pipelines (2026-12-07, the runner's layer stacks cast once for the step, its residual slot
+    # sliced inside the backward branch): the stash in
     # the ring buffers is XLA:GPU's (memory.gpu_token_layer_bytes), a tick holds one stage's more
-    "mesh.data=4 mesh.pipeline=2 train.grad_accum=2": 17.37,
-    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none train.global_batch=16": 27.00,
-    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=full train.global_batch=16": 14.48,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=2": 17.02,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none train.global_batch=16": 26.08,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=full train.global_batch=16": 14.42,
     "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none pipeline.schedule=zb_h1 "
-    "train.global_batch=16": 19.34,
-    "mesh.data=2 mesh.pipeline=4 train.grad_accum=4 train.remat=none pipeline.schedule=gpipe": 17.38,
+    "train.global_batch=16": 18.20,
+    "mesh.data=2 mesh.pipeline=4 train.grad_accum=4 train.remat=none pipeline.schedule=gpipe": 16.58,
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none pipeline.recompute=true "
     "train.global_batch=16": 16.45,
     # beside tensor parallelism a tick's backward branch copies its slot too (GPU_STASH_TICK)
     "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4": 10.12,
-    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 16.54,
+    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 16.67,
     "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none "
-    "sharding.sequence_parallel=true": 14.42,
-    "mesh.data=1 mesh.fsdp=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 15.15,
+    "sharding.sequence_parallel=true": 14.46,
+    "mesh.data=1 mesh.fsdp=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 15.27,
 }
 
 
@@ -852,4 +853,3 @@ def test_gpu_memory_within_15_percent_of_xla_gpu(overrides):
     model = ModelDef.from_factory(llama_model_factory(cfg))
     gpu = estimate(cfg, layout, model, platform="gpu")["total"] / 2**30
     assert gpu == pytest.approx(GPU_COMPILED_GIB[overrides], rel=0.15), (gpu, overrides)
-    assert estimate(cfg, layout, model)["total"] / 2**30 > gpu  # XLA:CPU's terms are unchanged

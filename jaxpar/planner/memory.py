@@ -70,12 +70,13 @@ from jaxpar.train.precision import DTYPES, has_masters
 
 ADAM_TRANSIENT = 1.0     # float32 copies of the optimizer shard Adam's update holds at once
 # pipeline.recompute false: one microbatch's stage residuals (the vjp's stashed leaves) a tick
-# holds besides the runner's ring buffer: the slot it reads (a dynamic slice), that slice's copy
-# as the tick's switch operand, and the branches' zero residuals (a constant, live all the
-# loop); a forward's new residuals go to the ring. (4 while the last stage's forward was folded
-# into its backward, whose own residuals were live there: 80.6 -> 69.7 MiB compiled temp at
-# data 4 x pipeline 2, 2026-12-03.) Read off the compiled step's live buffers at its peak.
-STASH_TICK = 3
+# holds besides the runner's ring buffer: the slot a backward reads (sliced inside its branch)
+# and the branches' zero residuals (a constant, live all the loop); a forward's new residuals
+# go to the ring. (4 while the last stage's forward was folded into its backward, whose own
+# residuals were live there: 80.6 -> 69.7 MiB compiled temp at data 4 x pipeline 2,
+# 2026-12-03; 3 while the slot was sliced before the switch and copied as its operand, until
+# 2026-12-07: runner.Slot.) Read off the compiled step's live buffers at its peak.
+STASH_TICK = 2
 # [tokens, D] stage-boundary buffers a tick holds besides the x and g ring buffers: the input
 # and cotangent slots it reads (two slices) and their copies as the switch's operands, and the
 # branches' zero activations.
@@ -88,11 +89,10 @@ BOUNDARY_TICK = 5
 # w_out: 40.07 -> 28.57 MiB compiled temp at data 4 x pipeline 2, remat full, 2026-12-03.)
 W_TICK = 1
 # XLA:GPU: a tick holds one stage's residuals besides the ring (its forward's new ones, or the
-# slot its backward reads), not XLA:CPU's three; beside tensor parallelism two: the backward's
-# branch copies the slot it reads (the peak's live buffers: the slot's leaves as copies inside
-# the branch, beside the dynamic slice). 1B preset, 8 H200 deviceless, twelve pipelines of p 2
-# and 4 (1f1b, gpipe, zb_h1, recompute; remat none, dots, full; tensor 2, sequence parallel),
-# 2026-12-07.
+# slot its backward reads); beside tensor parallelism two: the backward's branch copies the
+# slot it reads (the peak's live buffers: the slot's leaves as copies beside the slice). 1B
+# preset, 8 H200 deviceless, twelve pipelines of p 2 and 4 (1f1b, gpipe, zb_h1, recompute;
+# remat none, dots, full; tensor 2, sequence parallel), 2026-12-07: 0.96-1.09 of XLA:GPU.
 GPU_STASH_TICK = {False: 1, True: 2}  # by tensor > 1
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)

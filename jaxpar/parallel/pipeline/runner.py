@@ -102,6 +102,19 @@ def tick_plan(tt: Timetable):
             send_patterns(tt.recv_g, bwd_perm))
 
 
+class Slot(NamedTuple):
+    """A slot of the runner's residual ring (a list of [slots, ...] buffers), handed read-only
+    into the tick's switch and sliced by the branches that read it (the backwards). Sliced
+    before the switch, the slot was live through every branch and copied again as the switch's
+    operand: one stage's residuals more at a tick's peak."""
+
+    ring: list
+    at: Any
+
+    def read(self) -> list:
+        return [jax.lax.dynamic_index_in_dim(b, self.at, keepdims=False) for b in self.ring]
+
+
 class WRing(NamedTuple):
     """zb_h1: the ring of what Bx keeps for W (a list of [slots, ...] buffers), handed whole and
     read-only into the tick's switch with the slot W reads, so that only W's branch slices it.
@@ -326,9 +339,13 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             dl = layers.weight_half(r, w.ring, w.read, lk, top)
             return at, add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_r, zeros_w
 
-        branches = {IDLE: idle, F_FIRST: f_first, F_MID: f_mid, B_FIRST: b_first, B_MID: b_mid,
-                    B_LAST: b_last_kept if stash else b_last, F_LAST: f_mid, BX_FIRST: bx_first,
-                    BX_MID: bx_mid, BX_LAST: bx_last, W: w_grads}
+        def reading(branch):  # a backward slices the residual slot it reads (Slot)
+            return lambda at, al, loss, x, g, r, w, tok, k: branch(at, al, loss, x, g, r.read(), w, tok, k)
+
+        branches = {IDLE: idle, F_FIRST: f_first, F_MID: f_mid, B_FIRST: reading(b_first),
+                    B_MID: reading(b_mid), B_LAST: reading(b_last_kept) if stash else b_last,
+                    F_LAST: f_mid, BX_FIRST: reading(bx_first), BX_MID: reading(bx_mid),
+                    BX_LAST: reading(bx_last), W: reading(w_grads)}
         remap = np.zeros(max(branches) + 1, np.int32)
         remap[used] = np.arange(len(used))
         table = jnp.asarray(np.concatenate([remap[tables[..., :1]], tables[..., 1:]], -1))
@@ -346,9 +363,9 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             r = row[d]
             code, i, k, xs, gs, rx, rg, rs, rp, yp, ws, wp, fi, bi = (r[j] for j in range(14))
             tok = mb_at(i)
-            x_in, g_in, r_in = tree_at(xbuf, xs), tree_at(gbuf, gs), tree_at(rbuf, rs)
+            x_in, g_in = tree_at(xbuf, xs), tree_at(gbuf, gs)
             at, al, loss, y, dx, r_out, w_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
-                                                               r_in, WRing(wbuf, ws), tok, k)
+                                                               Slot(rbuf, rs), WRing(wbuf, ws), tok, k)
             x_recv = send(y, fwd_pats, fi)
             g_recv = send(dx, bwd_pats, bi)
             # Slot n (one past the last) takes what arrives for nobody.
