@@ -91,8 +91,9 @@ W_TICK = 1
 # XLA:GPU: a tick holds one stage's residuals besides the ring (its forward's new ones, or the
 # slot its backward reads); beside tensor parallelism two: the backward's branch copies the
 # slot it reads (the peak's live buffers: the slot's leaves as copies beside the slice). 1B
-# preset, 8 H200 deviceless, twelve pipelines of p 2 and 4 (1f1b, gpipe, zb_h1, recompute;
-# remat none, dots, full; tensor 2, sequence parallel), 2026-12-07: 0.96-1.09 of XLA:GPU.
+# preset, 8 H200 deviceless, fifteen pipelines of p 2 and 4 (1f1b, gpipe, zb_h1, interleaved,
+# recompute; remat none, dots, full; tensor 2, sequence parallel, context, ZeRO-3), 2026-12-07:
+# 0.96-1.09 of XLA:GPU.
 GPU_STASH_TICK = {False: 1, True: 2}  # by tensor > 1
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
@@ -269,15 +270,14 @@ def estimate(cfg: Config, layout: Layout, model, state: dict | None = None,
     `state`: state_terms of this layout when already known (the search caches them); `platform`
     the cluster's (XLA's buffer assignment differs: module doc). 'total' is what the compiled
     step needs: its arguments plus its temporaries."""
-    gpu = platform == "gpu"
     out = dict(state if state is not None else state_terms(cfg, layout, model))
     out.update(activation_terms(cfg, layout, platform))
     if layout.zero_stage in (1, 2) and layout.size("fsdp") > 1:  # the gathered params' buffer
         p = itemsize(cfg.train.param_dtype)
         out["gathered"] *= param_gather_itemsize(p, platform) / p
-    if gpu:
+    if platform == "gpu":
         out.update(gpu_terms(cfg, layout, out))
-    if gpu and layout.size("pipeline") == 1:
+    if platform == "gpu" and layout.size("pipeline") == 1:
         backward = out["grads"] + out["working"]
         out["total"] = sum(v for k, v in out.items() if k not in ("logits", "grads", "working"))
         out["total"] += max(out["logits"], backward)  # the loss's peak or the backward's
@@ -402,13 +402,14 @@ def activation_terms(cfg: Config, layout: Layout, platform: str = "cpu") -> dict
     if layout.size("pipeline") > 1:
         v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
         tt = timetable(layout.schedule, layout.size("pipeline"), microbatches, v, layout.recompute)
-        # one microbatch's stage residuals, the stage vjp's leaves (STASHED by the remat policy)
-        stashed = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp, STASHED)
-        tick = STASH_TICK
+        # one microbatch's stage residuals, the stage vjp's leaves (STASHED by the remat policy;
+        # on a GPU XLA:GPU's, GPU_KEPT's)
         if platform == "gpu":
-            stashed = gpu_token_layer_bytes(ms, layout.remat, c, tp, sp)
+            stashed, tick = gpu_token_layer_bytes(ms, layout.remat, c, tp, sp), GPU_STASH_TICK[tp > 1]
             full = gpu_token_layer_bytes(ms, "none", c, tp, sp)
-            tick = GPU_STASH_TICK[tp > 1]
+        else:
+            stashed = per_token_layer_bytes(ms, layout.remat, c, tp, t.seq_len, xla, sp, STASHED)
+            tick = STASH_TICK
         stage = tokens * layers / v * stashed
         if layout.recompute:
             # A stage keeps each in-flight microbatch's input (the x ring: its slots and the
@@ -419,8 +420,7 @@ def activation_terms(cfg: Config, layout: Layout, platform: str = "cpu") -> dict
         else:
             # A forward tick stashes the residuals for its backward in the runner's ring buffer
             # (the timetable's residual slots and the spare one that takes what arrives for
-            # nobody); a tick holds STASH_TICK more (its slot read, the copy, the zeros, its own
-            # forward's).
+            # nobody); a tick holds `tick` stages more (STASH_TICK, GPU_STASH_TICK).
             out["activations"] = (tt.n_r_slots + 1) * stage
             out["working"] = tick * stage
             boundary = tt.n_x_slots + 1 + tt.n_g_slots + 1 + BOUNDARY_TICK

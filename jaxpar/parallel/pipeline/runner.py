@@ -103,27 +103,19 @@ def tick_plan(tt: Timetable):
 
 
 class Slot(NamedTuple):
-    """A slot of the runner's residual ring (a list of [slots, ...] buffers), handed read-only
-    into the tick's switch and sliced by the branches that read it (the backwards). Sliced
-    before the switch, the slot was live through every branch and copied again as the switch's
-    operand: one stage's residuals more at a tick's peak."""
+    """A slot of one of the runner's rings (a list of [slots, ...] buffers: the stage residuals,
+    or zb_h1's what-Bx-keeps-for-W), handed whole and read-only into the tick's switch with the
+    slot to read, so that only the branches that read it slice it (`read`; W's layer scan slices
+    each layer's share of `ring` at `at` itself). Sliced before the switch, the slot was live
+    through every branch and copied again as the switch's operand: a slot more at the tick's
+    peak. (Passed through the switch and written there in place, zb_h1's ring was copied in every
+    branch: XLA's conditional outputs are copies unless no branch reads the operand.)"""
 
     ring: list
     at: Any
 
     def read(self) -> list:
         return [jax.lax.dynamic_index_in_dim(b, self.at, keepdims=False) for b in self.ring]
-
-
-class WRing(NamedTuple):
-    """zb_h1: the ring of what Bx keeps for W (a list of [slots, ...] buffers), handed whole and
-    read-only into the tick's switch with the slot W reads, so that only W's branch slices it.
-    (Sliced before the switch, the slot was live through every branch: one slot more at the
-    peak, a Bx tick. Passed through the switch and written by Bx in place, the ring was copied
-    in every branch: XLA's conditional outputs are copies unless no branch reads the operand.)"""
-
-    ring: list
-    read: Any
 
 
 def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_top: Callable,
@@ -259,7 +251,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             _, vjp = jax.vjp(lambda lk, xi: body(top, lk, xi, tok), lk, x)
             return vjp(g)
 
-        # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, r_in, w: WRing, tok, k)
+        # ---- the branches: (acc_top, acc_lay, loss, x_in, g_in, r: Slot, w: Slot, tok, k)
         #      -> (acc_top, acc_lay, loss, y, dx, r_out, w_out)
         def idle(at, al, loss, x, g, r, w, tok, k):
             return at, al, loss, zeros_x, zeros_x, zeros_r, zeros_w
@@ -336,7 +328,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
 
         def w_grads(at, al, loss, x, g, r, w, tok, k):
             lk = chunk(k)
-            dl = layers.weight_half(r, w.ring, w.read, lk, top)
+            dl = layers.weight_half(r, w.ring, w.at, lk, top)
             return at, add_chunk(al, dl, k), loss, zeros_x, zeros_x, zeros_r, zeros_w
 
         def reading(branch):  # a backward slices the residual slot it reads (Slot)
@@ -365,7 +357,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             tok = mb_at(i)
             x_in, g_in = tree_at(xbuf, xs), tree_at(gbuf, gs)
             at, al, loss, y, dx, r_out, w_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
-                                                               Slot(rbuf, rs), WRing(wbuf, ws), tok, k)
+                                                               Slot(rbuf, rs), Slot(wbuf, ws), tok, k)
             x_recv = send(y, fwd_pats, fi)
             g_recv = send(dx, bwd_pats, bi)
             # Slot n (one past the last) takes what arrives for nobody.
