@@ -434,11 +434,12 @@ class PipelineConfig(Strict):
     each data-parallel slice of the batch is cut into; it replaces gradient accumulation (set one
     of the two, or both to the same value)."""
 
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b_split"] = "1f1b"
     virtual_stages: int = Field(1, gt=0, description="chunks per device (interleaved_1f1b)")
     microbatches: int | None = Field(None, gt=0, description="null: train.grad_accum")
     # false: a forward tick keeps its stage's vjp residuals for the backward (no second forward;
-    # memory: the residuals of the microbatches in flight, at most p per stage with 1f1b);
+    # memory: the residuals of the microbatches in flight: up to 2p - 1 on the first stage with
+    # 1f1b, p with 1f1b_split and zb_h1, m with gpipe);
     # true: keep only the stage input and recompute the stage's forward in the backward.
     recompute: bool = False
 

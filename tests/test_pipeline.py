@@ -121,7 +121,8 @@ def test_config_errors(overrides, match, devices):
         Trainer(tiny_config("mesh.data=-1", *overrides), devices=devices)
 
 
-FULL = [(s, p, m) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") for p, m in ((2, 2), (4, 16))]
+FULL = [(s, p, m) for s in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") for p, m in ((2, 2), (4, 16))] + [
+    ("1f1b_split", 4, 8)]  # zb_h1's split backward in Megatron's order: the same branches
 
 
 @pytest.mark.slow  # ~1 min of CPU for the 8 cases; always run

@@ -22,6 +22,7 @@ def test_idle_fraction_equals_formula(schedule, p, m, v):
 
 def test_formulas():
     assert idle_formula("zb_h1", 4, 8) == pytest.approx(3 / 27)
+    assert idle_formula("1f1b_split", 4, 8) == pytest.approx(6 / 30)
     assert idle_formula("gpipe", 4, 8) == pytest.approx(3 / 11)
     assert idle_formula("1f1b", 4, 8) == pytest.approx(6 / 14)  # rows: half of each tick idles
     # rows alternate like 1f1b's (whose formula it is at v = 1): ((v+1)p - 2) / (vm + (v+1)p - 2)
@@ -135,6 +136,30 @@ def test_zb_h1_bubble_a_third_of_1f1b_at_the_same_memory():
             assert max(build_timetable("1f1b", p, m).in_flight()) == min(2 * p - 1, m)
 
 
+def test_1f1b_split_holds_megatrons_p_microbatches():
+    """1f1b_split: Megatron's 1F1B order (p - d warm-up forwards) with the backward split like
+    zb_h1's but no W held back: p - d microbatches' residuals on device d (1f1b: 2(p-1-d) + 1),
+    one microbatch's W inputs (zb_h1: d + 1), 2(p - 1) idle ticks a device (zb_h1: p - 1; 1f1b's
+    3(p - 1) in these units). In lockstep at an even split (B and W one forward each) it takes
+    3m + 2(p - 1), below gpipe and 1f1b's 3(m + p - 1); with W below half the backward the
+    mixed ticks last a B half each, and 1f1b's alternating rows win beyond m = 2p (from 3p
+    on, at p = 2, 4 and 8)."""
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 3 * p, 4 * p):
+            sp = build_timetable("1f1b_split", p, m)
+            idle = [sum(row[d] is None for row in sp.grid) for d in range(p)]
+            assert idle == [2 * (p - 1)] * p and sp.ticks == 3 * m + 2 * (p - 1)
+            assert sp.in_flight() == [p - d for d in range(p)] and sp.n_r_slots == p
+            assert sp.n_w_slots == 1
+            assert build_timetable("1f1b", p, m).in_flight() == [min(2 * (p - 1 - d) + 1, m) for d in range(p)]
+            one = build_timetable("1f1b", p, m).lockstep_time()
+            assert sp.lockstep_time() == 3 * m + 2 * (p - 1) < one  # W = B = a forward
+            # the 1B preset's W share (0.44 of a backward): every mixed tick costs 1.12
+            uneven = sp.lockstep_time(1, 2, 0.88)
+            assert uneven > sp.lockstep_time()
+            assert (uneven < one) == (m <= 2 * p), (p, m, uneven, one)
+
+
 @pytest.mark.parametrize("schedule,p,m,v", CASES)
 def test_sends_only_what_is_received(schedule, p, m, v):
     """Each tick's ppermute pairs are exactly the stages that pass a value on: m (G - 1) sends per
@@ -174,6 +199,8 @@ def test_render_and_plot(tmp_path):
     (("zb_h1", 4, 2), "at least as many microbatches as stages"),
     (("zb_h1", 4, 4, 2), "virtual_stages=2 needs pipeline.schedule=interleaved_1f1b"),
     (("zb_h1", 4, 4, 1, None, True), "needs pipeline.recompute=false"),
+    (("1f1b_split", 4, 4, 1, None, True), "needs pipeline.recompute=false"),
+    (("1f1b_split", 4, 3), "at least as many microbatches as stages"),
 ])
 def test_clear_errors(args, match):
     if match is None:

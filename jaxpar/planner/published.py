@@ -217,8 +217,8 @@ def check_selective_run(run: SelectiveRun, cluster_name: str = "a100_80gb_x8") -
     what is checked: the memory is jaxpar's (float32 weights and gradients beside Adam's state
     and its update's transient, ~20 bytes a parameter against Megatron's 18, and a stage's vjp
     residuals as stashed), reported as `memory_gib` and not held to the budget (the pipelined
-    rows need 76-127 GiB: jaxpar's 1F1B holds up to 2p - 1 stage inputs where Megatron's holds
-    p; docs/planner.md)."""
+    rows need 76-127 GiB: jaxpar's 1f1b holds up to 2p - 1 stage inputs where Megatron's holds
+    p, as jaxpar's 1f1b_split does at another lockstep time; docs/planner.md)."""
     from jaxpar.planner.search import search
     cfg, cluster, model = _planning(run.config(), cluster_name, run.gpus)
     opts = {"remat": "none", "zero_stage": 0, "grad_accum": run.batch // run.micro,

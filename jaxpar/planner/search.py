@@ -21,9 +21,10 @@ from jaxpar.train.layout_checks import check_layout
 from jaxpar.train.precision import DTYPES
 
 REMATS = ("none", "dots_saveable", "full")  # searched; --layout may pin any of config.REMAT_POLICIES
-# every schedule is searched; zb_h1 only without pipeline.recompute (its split backward reads the
-# forward's residuals): its bubble is a third of 1f1b's, paid for with the cotangents Bx keeps
-# for W (memory.w_kept_bytes)
+# every schedule is searched; zb_h1 and 1f1b_split only without pipeline.recompute (their split
+# backward reads the forward's residuals): zb_h1's bubble is a third of 1f1b's, paid for with the
+# cotangents Bx keeps for W (memory.w_kept_bytes); 1f1b_split holds p microbatches' residuals
+# where 1f1b holds up to 2p - 1, paid for with mixed ticks as long as a backward's larger half
 PIPELINE_OPTIONS = ("schedule", "virtual_stages")
 # where mesh.context > 1 every strategy is searched: they compute the same attention, ring with
 # K/V chunks passed around (C - 1 hops a pass; not in a pipeline's stages), all_to_all with q, k,

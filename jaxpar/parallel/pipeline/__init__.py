@@ -4,7 +4,7 @@ schedule.py   timetables (gpipe, 1f1b, interleaved_1f1b, zb_h1): what each devic
               tick; the runner executes them, `jaxpar bench pipeline` prints and draws them.
 runner.py     the pipelined forward + backward inside the train step's shard_map.
 residuals.py  a stage's vjp as stashable arrays (pipeline.recompute=false).
-split.py      zb_h1: a layer's backward cut into its input half (Bx) and weight half (W).
+split.py      zb_h1, 1f1b_split: a layer's backward cut into its input half (Bx) and weight half (W).
 
 Config: `pipeline.schedule`, `pipeline.virtual_stages`, `pipeline.microbatches` (null: the
 microbatch count is train.grad_accum), `pipeline.recompute`; `mesh.pipeline` is the number of

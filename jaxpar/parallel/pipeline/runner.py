@@ -14,7 +14,7 @@ One `lax.scan` over the ticks; each tick
      runs under jax.vjp and stashes the residuals (residuals.py; the stage's train.remat policy
      decides what they are) and its backward applies them; with recompute=true a backward
      recomputes its stage's forward from the stashed stage input (remat at the stage boundary).
-     zb_h1 runs a vjp per layer and cuts each layer's backward into Bx and W (split.py).
+     zb_h1 and 1f1b_split run a vjp per layer and cut each layer's backward into Bx and W (split.py).
      Without recompute the last stage's forward runs on its own tick and keeps its output and
      residuals; its backward starts at the head and the loss (which it yields). With recompute
      the last stage's forward is folded into its backward;

@@ -17,6 +17,15 @@ inputs exist. Orders:
                    device d down the pipeline and back), then one backward one forward, then
                    the cool-down backwards: at most 2(p-1-d)+1 microbatches in flight on
                    device d (2p-1 on device 0, flat in m; gpipe: m);
+  1f1b_split       Megatron's 1F1B order: p-d warm-up forwards, then per microbatch a backward
+                   and a forward, so at most p-d microbatches in flight on device d (p on device
+                   0, 1f1b's 2p-1 less p-1 stage stashes), with the backward split like zb_h1's
+                   (B, then W on the next tick, no W held back: one microbatch's W inputs kept).
+                   Every op costs about a forward, so a tick that mixes a forward on one device
+                   with a backward half on another costs the larger half (lockstep time 3m +
+                   2(p-1) at an even split, below gpipe's 3(m+p-1); a backward half above a
+                   forward (W less than half the backward) stretches every mixed tick, so at
+                   large m 1f1b's alternating rows are faster: the price of its memory);
   interleaved_1f1b Megatron's interleaved order (microbatches in groups of p, chunk by chunk),
                    warm-up (p-d-1)*2 + (v-1)*p forwards, its rows alternating like 1f1b's
                    (lockstep time = Megatron's dataflow 3m + 3(p-1)/v without recompute; one op
@@ -29,9 +38,9 @@ inputs exist. Orders:
 Idle fraction read off the table: (p-1)/(m+p-1) for gpipe, 2(p-1)/(m+2(p-1)) for 1f1b (rows,
 not ticks: its forward rows idle the backward half and vice versa), ((v+1)p-2)/(vm+(v+1)p-2)
 for the interleaved one (rows too; 1f1b's at v = 1); in time its bubble/compute ratio is
-(p-1)/m divided by v (lockstep_time); zb_h1's ticks are a third
-of a 1f1b op (F, B, W one tick each): (p-1)/(3m+p-1), a bubble of p-1 ticks against 1f1b's
-3(p-1) in the same units.
+(p-1)/m divided by v (lockstep_time); the split schedules' ticks are a third of a 1f1b op (F,
+B, W one tick each): (p-1)/(3m+p-1) for zb_h1, 2(p-1)/(3m+2(p-1)) for 1f1b_split, bubbles of
+p-1 and 2(p-1) ticks against 1f1b's 3(p-1) in the same units.
 """
 from __future__ import annotations
 
@@ -42,8 +51,8 @@ import numpy as np
 
 from jaxpar.config import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-SPLIT = ("zb_h1",)  # schedules whose backward is split into B (input grad) and W (weight grad)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b_split")
+SPLIT = ("zb_h1", "1f1b_split")  # schedules whose backward is split into B (input grad) and W (weight grad)
 ALTERNATE = ("1f1b", "interleaved_1f1b")  # rows alternate: forwards only, then backwards only
 
 # Op codes of the runner's branches: what a tick does on a device. The split schedules use
@@ -75,7 +84,7 @@ def check_schedule(schedule: str, p: int, m: int, v: int = 1, n_layers: int | No
     if schedule != "interleaved_1f1b" and v != 1:
         raise ConfigError(f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved_1f1b "
                           f"(got {schedule!r}); set virtual_stages=1 or change the schedule")
-    if schedule in ("1f1b", "interleaved_1f1b", "zb_h1") and m < p:
+    if schedule in ("1f1b", "interleaved_1f1b") + SPLIT and m < p:
         raise ConfigError(
             f"pipeline.schedule={schedule} needs at least as many microbatches as stages: "
             f"microbatches={m} < mesh.pipeline={p}; raise pipeline.microbatches (or "
@@ -114,21 +123,27 @@ def device_orders(schedule: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
             for i in range(n - w):
                 ops += [fwd[w + i], bwd[i]]
             ops += bwd[n - w:]
-        elif schedule == "zb_h1":
-            w = min(p - d, m)
-            ops, held = [Op("F", i, 0) for i in range(w)], 0
-            for j in range(m):
-                ops.append(Op("B", j, 0))
-                if j >= d:  # device d holds back d weight gradients for the cool-down
-                    ops.append(Op("W", held, 0))
-                    held += 1
-                if j + w < m:
-                    ops.append(Op("F", j + w, 0))
-            ops += [Op("W", i, 0) for i in range(held, m)]
+        elif schedule in SPLIT:  # zb_h1: device d holds back d weight gradients for the cool-down
+            ops = _split_order(p, m, d, hold=d if schedule == "zb_h1" else 0)
         else:
             raise ConfigError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
         orders.append(ops)
     return orders
+
+
+def _split_order(p: int, m: int, d: int, hold: int) -> list[Op]:
+    """Device d's order with a split backward: p-d warm-up forwards, then per microbatch B, W
+    and the next F, the first `hold` W's held back to fill the cool-down."""
+    w = min(p - d, m)
+    ops, held = [Op("F", i, 0) for i in range(w)], 0
+    for j in range(m):
+        ops.append(Op("B", j, 0))
+        if j >= hold:
+            ops.append(Op("W", held, 0))
+            held += 1
+        if j + w < m:
+            ops.append(Op("F", j + w, 0))
+    return ops + [Op("W", i, 0) for i in range(held, m)]
 
 
 @dataclass
@@ -224,8 +239,9 @@ class Timetable:
 def idle_formula(schedule: str, p: int, m: int, v: int = 1) -> float:
     if schedule == "interleaved_1f1b":  # alternating rows: 1f1b's at v = 1
         return float(Fraction((v + 1) * p - 2, v * m + (v + 1) * p - 2))
-    if schedule in SPLIT:
-        return float(Fraction(p - 1, 3 * m + p - 1))
+    if schedule in SPLIT:  # a bubble of p-1 ticks (zb_h1) or 2(p-1) (1f1b_split) in 3m
+        bubble = (p - 1) * (1 if schedule == "zb_h1" else 2)
+        return float(Fraction(bubble, 3 * m + bubble))
     if schedule in ALTERNATE:
         return float(Fraction(2 * (p - 1), m + 2 * (p - 1)))
     return float(Fraction(p - 1, m + p - 1))
