@@ -255,7 +255,7 @@ def test_split_cuts_a_layer_backward_at_the_weight_matmuls():
     mm = jax.jit(lambda a, b: a @ b)
     _, fn = jax.vjp(lambda w, x: x + mm(jax.nn.silu(mm(x, w[0])), w[1]), (w1, w2), x)
     leaves, treedef = jax.tree.flatten(fn)
-    cut = _Cut.of(jax.make_jaxpr(lambda l, g: jax.tree.unflatten(treedef, l)(g))(leaves, ct), 2)
+    cut = _Cut.of(jax.make_jaxpr(lambda l, g: jax.tree.unflatten(treedef, l)(g))(leaves, ct), 2, len(leaves))
     dots = lambda nodes: sum(cut.nodes[i][0].primitive.name == "dot_general" for i in nodes)
     assert dots(cut.x_nodes) == dots(cut.w_nodes) == 2
     dx, *kept = cut.run(cut.x_nodes, dict(zip(cut.in_keys, [*leaves, ct])), cut.dx_out + cut.w_in)
@@ -265,4 +265,37 @@ def test_split_cuts_a_layer_backward_at_the_weight_matmuls():
     sig = 1 / (1 + np.exp(-h))
     dh = (ct @ w2.T) * sig * (1 + h * (1 - sig))
     for got, want in ((dw2, (h * sig).T @ ct), (dw1, x.T @ dh), (dx, ct + dh @ w1.T)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_split_w_recomputes_the_swiglu_cotangents_from_the_one_at_its_output():
+    """A SwiGLU's gate and up cotangents are elementwise in the cotangent at its output and the
+    forward's gate and up values (residuals, which W has anyway): W computes them again, so Bx
+    keeps one F-sized value for W where it kept two (and W's gradients stay the float64
+    reference's)."""
+    import jax
+
+    from jaxpar.parallel.pipeline.split import _Cut
+    rng = np.random.default_rng(1)
+    b, d, f = 3, 4, 16
+    wg, wu, wd = (rng.standard_normal(s).astype(np.float32) for s in ((d, f), (d, f), (f, d)))
+    x, ct = (rng.standard_normal((b, d)).astype(np.float32) for _ in range(2))
+    mm = jax.jit(lambda a, w: a @ w)
+    _, fn = jax.vjp(lambda w, x: x + mm(jax.nn.silu(mm(x, w[0])) * mm(x, w[1]), w[2]), (wg, wu, wd), x)
+    leaves, treedef = jax.tree.flatten(fn)
+    closed = jax.make_jaxpr(lambda l, g: jax.tree.unflatten(treedef, l)(g))(leaves, ct)
+    cut = _Cut.of(closed, 3, len(leaves))
+    have = set(cut.in_keys[:len(leaves)])
+    kept = sorted(cut.nbytes[k] for k in cut.w_in if k not in have)
+    # the output cotangent (w_down's: [b, d]) and the SwiGLU's ([b, f]); not its gate and up ones
+    assert kept == [b * d * 4, b * f * 4], kept
+    dx, *w_kept = cut.run(cut.x_nodes, dict(zip(cut.in_keys, [*leaves, ct])), cut.dx_out + cut.w_in)
+    dwg, dwu, dwd = cut.run(cut.w_nodes, dict(zip(cut.w_in, w_kept)), cut.dw_out)
+    x, wg, wu, wd, ct = (a.astype(np.float64) for a in (x, wg, wu, wd, ct))
+    g, u = x @ wg, x @ wu
+    sig = 1 / (1 + np.exp(-g))
+    dh = ct @ wd.T
+    dg, du = dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
+    for got, want in ((dwd, (g * sig * u).T @ ct), (dwg, x.T @ dg), (dwu, x.T @ du),
+                      (dx, ct + dg @ wg.T + du @ wu.T)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

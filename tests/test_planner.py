@@ -143,7 +143,7 @@ def test_zb_h1_holds_no_w_slot_copy_but_bx_new_one(compiled):
     layout = Layout.of_config(cfg, 8)
     tokens = cfg.train.global_batch // 4 // 2 * cfg.train.seq_len  # a microbatch on a device
     slot = tokens * cfg.model.n_layers // 2 * w_kept_bytes(cfg, layout)
-    assert slot == 5.75 * 2**20
+    assert slot == 5.0 * 2**20  # 5.75 before W made the SwiGLU's gate and up cotangents (2026-12-07)
     assert mem["temp_bytes"] <= 40.07 * 2**20 - 1.5 * slot
 
 
@@ -721,7 +721,10 @@ def test_search_ranks_zb_h1_before_1f1b_where_the_bubble_costs():
         assert weight_share(cfg, zb.layout) == weight_share(cfg, by[("zb_h1", "none", False, 4)].layout)
         assert pipeline_stretch(cfg, zb.layout, 4) < pipeline_stretch(cfg, one.layout, 4), remat
         assert zb.time.bubble_s < one.time.bubble_s, remat
-        assert zb.memory["w_kept"] > by[("zb_h1", "none", False, 4)].memory["w_kept"], remat
+        # full: Bx keeps for W the matmul inputs it recomputed; dots_saveable: W makes them again
+        # from the saved residuals (cheap equations: split.recompute_in_w), as without remat
+        none = by[("zb_h1", "none", False, 4)].memory["w_kept"]
+        assert zb.memory["w_kept"] > none if remat == "full" else zb.memory["w_kept"] == none, remat
 
 
 def test_shared_compute_units_sum_every_devices_work():
@@ -834,7 +837,7 @@ GPU_COMPILED_GIB = {
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none train.global_batch=16": 26.08,
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=full train.global_batch=16": 14.42,
     "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none pipeline.schedule=zb_h1 "
-    "train.global_batch=16": 18.20,
+    "train.global_batch=16": 17.29,  # 18.20 before W made the SwiGLU's cotangents (2026-12-07)
     "mesh.data=2 mesh.pipeline=4 train.grad_accum=4 train.remat=none pipeline.schedule=gpipe": 16.58,
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none pipeline.recompute=true "
     "train.global_batch=16": 16.45,
@@ -852,16 +855,17 @@ GPU_COMPILED_GIB = {
     "mesh.data=2 mesh.fsdp=2 mesh.pipeline=2 sharding.zero_stage=3 train.grad_accum=4 train.remat=none "
     "train.global_batch=16": 21.88,
     # 1f1b_split (2026-12-07): p stage stashes on the first stage where 1f1b holds 2p - 1, one
-    # microbatch's w slot (1f1b at the same layouts: 26.08, 20.09, 14.46, 21.88)
+    # microbatch's w slot (1f1b at the same layouts: 26.08, 20.09, 14.46, 21.88; 1f1b_split
+    # before W made the SwiGLU's cotangents: 24.62, 17.17, 13.88, 20.37)
     "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none train.global_batch=16": 20.09,
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none pipeline.schedule=1f1b_split "
-    "train.global_batch=16": 24.62,
+    "train.global_batch=16": 23.57,
     "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none pipeline.schedule=1f1b_split "
-    "train.global_batch=16": 17.17,
+    "train.global_batch=16": 16.73,
     "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none "
-    "sharding.sequence_parallel=true pipeline.schedule=1f1b_split": 13.88,
+    "sharding.sequence_parallel=true pipeline.schedule=1f1b_split": 13.48,
     "mesh.data=2 mesh.fsdp=2 mesh.pipeline=2 sharding.zero_stage=3 train.grad_accum=4 train.remat=none "
-    "train.global_batch=16 pipeline.schedule=1f1b_split": 20.37,
+    "train.global_batch=16 pipeline.schedule=1f1b_split": 19.52,
 }
 
 

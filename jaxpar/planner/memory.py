@@ -221,39 +221,42 @@ def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, 
     return c * (d_copies * d + k["heads"] * heads + k["mlp"] * ms.ffn / t) + 4 * kept_scores * scores
 
 
-# zb_h1 under a train.remat policy: what W reads of the forward that the policy did not save, so
-# Bx recomputed and keeps for W besides the cotangents, per token and layer (measured on XLA:CPU,
-# float32 and bf16 compute): "d32" float32 D-sized values (the norms' normalized inputs, for the
-# scale sums), "d" the norms' outputs (the q/k/v and gate/up matmuls' input), "heads" the
-# attention output (w_o's input, H hd), "mlp" F-sized values (w_down's input and the SwiGLU
-# parts its gate and up cotangents are made from), each in the compute dtype.
+# A split backward (zb_h1, 1f1b_split) under a train.remat policy: what W reads of the forward
+# that the policy did not save, so Bx recomputed and keeps for W besides the cotangents, per
+# token and layer (measured on XLA:CPU, float32 and bf16 compute, 2026-12-07, after W computes
+# again what cheap equations give it: split.py's recompute_in_w): "d32" float32 D-sized values
+# (a norm's normalized input, for its scale sum), "d" the norms' outputs (the q/k/v and gate/up
+# matmuls' input), "heads" the attention output (w_o's input, H hd), "mlp" F-sized values (the
+# gate and up matmuls' outputs, from which W makes w_down's input), each in the compute dtype;
+# "f32_d" D-sized values kept with float32 compute only (with bf16 W makes them from a cast).
 W_RECOMPUTED = {
-    "full": {"d32": 2.0, "d": 2.0, "heads": 1.0, "mlp": 2.0},
-    "dots_saveable": {"d32": 2.0, "d": 0.0, "heads": 0.0, "mlp": 1.0},
-    # attention's batched dots are recomputed too
-    "dots_with_no_batch_dims_saveable": {"d32": 2.0, "d": 0.0, "heads": 1.0, "mlp": 1.0},
+    "none": {"f32_d": 1.0},
+    "full": {"d32": 1.0, "d": 2.0, "heads": 1.0, "mlp": 2.0, "f32_d": 2.0},
+    "dots_saveable": {"f32_d": 1.0},  # the norms' outputs from the saved residuals, in W
+    # attention's batched dots are recomputed too (float32 measured; bf16 by full's pattern)
+    "dots_with_no_batch_dims_saveable": {"d32": 1.0, "d": 2.0, "heads": 1.0, "mlp": 1.0, "f32_d": 2.0},
 }
 
 
 def w_kept_bytes(cfg: Config, layout: Layout) -> float:
-    """Bytes zb_h1's Bx keeps for W per token and layer (parallel/pipeline/split.py: what W's
-    equations read of Bx's values). The weight matmuls' output cotangents (q, k, v, the attention
-    and MLP outputs', gate, up) in the compute dtype and the two norms' output cotangents for the
-    scale sums in float32 (measured: 4 D + (H + 2K) hd + 2 F elements, 1536 a token on the tests'
-    model; the norms' 2 D float32 with bf16 compute too). Under a train.remat policy also the
-    matmul inputs that Bx recomputed (W_RECOMPUTED: 4 D + H hd + 2 F more with full, 1408 a token
-    on that model; 2 D float32 and F with dots_saveable, one D less measured with float32 compute,
-    where a norm's cast is its input); without remat those are residuals, in activations."""
+    """Bytes a split backward's Bx (zb_h1, 1f1b_split) keeps for W per token and layer
+    (parallel/pipeline/split.py: what W's equations read of Bx's values). The weight matmuls'
+    output cotangents (q, k, v, the attention output's, the MLP's: its gate and up cotangents W
+    makes again from the SwiGLU's output cotangent) and the two norms' output cotangents for the
+    scale sums, in the compute dtype: 3 D + (H + 2K) hd + F elements; with float32 compute one
+    D more (W_RECOMPUTED's f32_d: 1152 floats a token on the tests' model, 2048 bytes in bf16).
+    Under a train.remat policy also the matmul inputs that Bx recomputed and W cannot make again
+    from cheap equations (W_RECOMPUTED: 2 D + H hd + 2 F and a float32 D with full, one more
+    with float32 compute)."""
     ms = ModelShape.of(cfg.model)
     t = layout.size("tensor")
     c = itemsize(cfg.train.compute_dtype)
     d = ms.dim / t if cfg.sharding.sequence_parallel else ms.dim
-    out = 2 * d * (c + 4) + c * ((ms.heads + 2 * ms.kv_heads) * ms.head_dim + 2 * ms.ffn) / t
-    if layout.remat != "none":
-        k = W_RECOMPUTED[layout.remat]
-        out += 4 * k["d32"] * d + c * (k["d"] * d + (k["heads"] * ms.heads * ms.head_dim
-                                                    + k["mlp"] * ms.ffn) / t)
-    return out
+    k = W_RECOMPUTED[layout.remat]
+    f32_d = k.get("f32_d", 0.0) if c == 4 else 0.0
+    out = c * (3 * d + ((ms.heads + 2 * ms.kv_heads) * ms.head_dim + ms.ffn) / t)
+    return out + 4 * (k.get("d32", 0.0) + f32_d) * d + c * (
+        k.get("d", 0.0) * d + (k.get("heads", 0.0) * ms.heads * ms.head_dim + k.get("mlp", 0.0) * ms.ffn) / t)
 
 
 def param_gather_itemsize(itemsize: int, platform: str) -> int:

@@ -16,6 +16,10 @@ Call-like equations (jit, remat) are inlined first: one `jit` whose transpose yi
 input and a weight cotangent would otherwise be one indivisible equation on Bx's side, and under
 train.remat a layer's whole backward is one remat2 equation (the recomputed forward with it).
 Inlined, the recomputed forward runs in Bx, which keeps for W the weight matmuls' inputs too.
+Where a value W reads comes out of cheap equations (elementwise, broadcasts, reductions: CHEAP)
+of values W has anyway (the forward's residuals, kept until W, or another value Bx keeps), W
+computes it again instead (`_Cut.recompute_in_w`): the SwiGLU's gate and up cotangents from
+the one at its output, so Bx keeps one F-sized value a token and layer instead of two.
 Param residuals are referenced, as in residuals.py. Tracing is deterministic, so the cut made in
 one trace (cached here) holds in every other trace of the same stage."""
 from __future__ import annotations
@@ -38,6 +42,12 @@ from jaxpar.sharding import vary_together
 # one remat2 equation (the recomputed forward and the whole backward): left shut, it is one
 # indivisible equation that feeds the input cotangent, and every weight matmul landed in Bx.
 _INLINE = (primitives.jit_p, primitives.call_p, primitives.closed_call_p, primitives.remat_p)
+# Equations W may run again rather than have Bx keep their output: a few flops an element.
+CHEAP = frozenset({
+    "abs", "add", "add_any", "broadcast_in_dim", "convert_element_type", "copy", "div", "exp",
+    "expand_dims", "integer_pow", "log", "logistic", "max", "min", "mul", "neg", "pow",
+    "reduce_max", "reduce_sum", "reshape", "rsqrt", "select_n", "sign", "sqrt", "square",
+    "squeeze", "sub", "tanh"})
 
 
 def _callee(eqn) -> tuple[Jaxpr, list] | None:
@@ -59,6 +69,7 @@ class _Cut:
     nodes: list            # (eqn, in atoms: key | Literal, out keys)
     consts: dict           # key -> constant
     in_keys: list          # the jaxpr's inputs: the vjp's leaves, then the cotangent's
+    nbytes: dict           # key -> bytes of its value
     x_nodes: list = field(default_factory=list)   # Bx's equations, in order
     w_nodes: list = field(default_factory=list)   # W's
     dx_out: list = field(default_factory=list)    # atoms of the input cotangent
@@ -66,17 +77,26 @@ class _Cut:
     w_in: list = field(default_factory=list)      # keys W reads that it does not compute
 
     @classmethod
-    def of(cls, closed: ClosedJaxpr, n_weights: int) -> "_Cut":
+    def of(cls, closed: ClosedJaxpr, n_weights: int, n_leaves: int) -> "_Cut":
+        """The cut of a layer backward with `n_weights` weight gradients first among its
+        outputs and `n_leaves` vjp leaves (the forward's residuals and params, which W has
+        anyway) first among its inputs."""
         nodes: list = []
         consts: dict = {}
+        nbytes: dict = {}
         fresh = itertools.count()
+
+        def size(v, k):
+            aval = v.aval
+            nbytes[k] = aval.size * aval.dtype.itemsize if hasattr(aval, "dtype") else 0
+            return k
 
         def lower(jaxpr, env):
             for eqn in jaxpr.eqns:
                 ins = [a if isinstance(a, Literal) else env[a] for a in eqn.invars]
                 sub = _callee(eqn)
                 if sub is None:
-                    outs = [next(fresh) for _ in eqn.outvars]
+                    outs = [size(v, next(fresh)) for v in eqn.outvars]
                     nodes.append((eqn, ins, outs))
                 else:
                     inner, inner_consts = sub
@@ -89,11 +109,11 @@ class _Cut:
             return [a if isinstance(a, Literal) else env[a] for a in jaxpr.outvars]
 
         jaxpr = closed.jaxpr
-        env = {v: next(fresh) for v in jaxpr.invars}
+        env = {v: size(v, next(fresh)) for v in jaxpr.invars}
         for v, c in zip(jaxpr.constvars, closed.consts):
             env[v] = next(fresh)
             consts[env[v]] = c
-        cut = cls(nodes, consts, [env[v] for v in jaxpr.invars])
+        cut = cls(nodes, consts, [env[v] for v in jaxpr.invars], nbytes)
         outs = lower(jaxpr, env)
         cut.dw_out, cut.dx_out = outs[:n_weights], outs[n_weights:]
         x_live, w_live = cut._live(cut.dx_out), cut._live(cut.dw_out)
@@ -103,7 +123,61 @@ class _Cut:
         need = [a for i in cut.w_nodes for a in nodes[i][1]] + cut.dw_out
         cut.w_in = sorted({a for a in need if not isinstance(a, Literal) and a not in made
                            and a not in consts})
+        cut.recompute_in_w(set(cut.in_keys[:n_leaves]))
         return cut
+
+    def recompute_in_w(self, have: set) -> None:
+        """Move into W (again: Bx runs them too) the CHEAP equations whose output W would read
+        from Bx, where W can compute it from fewer kept bytes: from `have` (the vjp's leaves,
+        which W has anyway), values Bx keeps for W already, or other such equations' outputs.
+        Greedy over W's inputs, a tie taken (the SwiGLU's gate cotangent costs its output's
+        cotangent, the same size; the up cotangent then costs nothing); kept only if the bytes
+        Bx keeps for W fall."""
+        producer = {k: i for i, (_, _, outs) in enumerate(self.nodes) for k in outs}
+        made_by_w = {k for i in self.w_nodes for k in self.nodes[i][2]}
+        w_nodes, w_in = set(self.w_nodes), set(self.w_in)
+        kept = lambda keys: sum(self.nbytes.get(k, 0) for k in keys if k not in have)
+
+        def cone(k, depth=0):
+            """(new W inputs, equations) computing k from what W has, or None: keep k."""
+            i = producer.get(k)
+            if i is None or depth > 12:
+                return None
+            eqn, ins, outs = self.nodes[i]
+            if eqn.primitive.name not in CHEAP or len(outs) != 1:
+                return None
+            new, eqns = set(), {i}
+            for a in ins:
+                if isinstance(a, Literal) or a in self.consts or a in made_by_w:
+                    continue
+                if a in have or a in w_in:  # W reads it anyway (an input of W's, at no cost)
+                    new.add(a)
+                    continue
+                sub = cone(a, depth + 1)
+                if sub is None or kept(sub[0]) > self.nbytes.get(a, 0):
+                    new.add(a)
+                else:
+                    new |= sub[0]
+                    eqns |= sub[1]
+            return new, eqns
+
+        before = kept(w_in)
+        changed = True
+        while changed:
+            changed = False
+            for k in sorted(w_in, reverse=True):  # the latest first: the backward's last values
+                if k in have:
+                    continue
+                found = cone(k)
+                if found is None or kept(found[0] - w_in) > self.nbytes.get(k, 0):
+                    continue
+                w_in = (w_in - {k}) | found[0]
+                w_nodes |= found[1]
+                made_by_w |= {o for i in found[1] for o in self.nodes[i][2]}
+                changed = True
+                break
+        if kept(w_in) < before:
+            self.w_nodes, self.w_in = sorted(w_nodes), sorted(w_in)
 
     def _live(self, roots) -> set[int]:
         need = {a for a in roots if not isinstance(a, Literal)}
@@ -167,7 +241,7 @@ class LayerSplit:
 
     def _cut(self, g) -> _Cut:
         if self.cut is None:
-            cut = _Cut.of(self.stash.program(g)[0], len(self.names))
+            cut = _Cut.of(self.stash.program(g)[0], len(self.names), len(self.stash.refs))
             refs = dict(zip(cut.in_keys, self.stash.refs))  # the cotangent's keys have none
             kept_at = {k: i for i, k in enumerate(k for k, r in zip(cut.in_keys, self.stash.refs)
                                                   if r is None)}
