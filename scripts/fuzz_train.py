@@ -88,11 +88,11 @@ def layout_opts(r: random.Random, moe: bool, axis: str | None = None) -> list[st
     rows = 16 // (size("data") * size("fsdp") * size("expert"))
     accums = [a for a in (1, 2, 4) if rows % a == 0 and a >= size("pipeline")] or [1]
     if size("pipeline") > 1:
-        schedule = r.choice(["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"])
+        schedule = r.choice(["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b_split"])
         out += [f"pipeline.schedule={schedule}", f"train.grad_accum={r.choice(accums)}"]
         if schedule == "interleaved_1f1b":
             out += ["pipeline.virtual_stages=2"]
-        if schedule != "zb_h1" and r.random() < 0.3:
+        if schedule not in ("zb_h1", "1f1b_split") and r.random() < 0.3:
             out += ["pipeline.recompute=true"]
     else:
         out += [f"train.grad_accum={r.choice([1, *accums])}"]

@@ -831,41 +831,41 @@ GPU_COMPILED_GIB = {
     "mesh.data=1 mesh.fsdp=4 mesh.tensor=2 sharding.zero_stage=3 train.remat=none": 10.02,  # 10.67 before 278918f
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1": 9.00,
     # pipelines (2026-12-07, the runner's layer stacks cast once for the step, its residual slot
-    # sliced inside the backward branch): the stash in
+    # sliced inside the backward branch, no spare residual slot: a forward files its stash under
+    # a cond, 1.2-2.4 GiB less on these rows): the stash in
     # the ring buffers is XLA:GPU's (memory.gpu_token_layer_bytes), a tick holds one stage's more
-    "mesh.data=4 mesh.pipeline=2 train.grad_accum=2": 17.02,
-    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none train.global_batch=16": 26.08,
-    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=full train.global_batch=16": 14.42,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=2": 16.30,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none train.global_batch=16": 23.73,
+    "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=full train.global_batch=16": 14.35,
     "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none pipeline.schedule=zb_h1 "
-    "train.global_batch=16": 17.29,  # 18.20 before W made the SwiGLU's cotangents (2026-12-07)
-    "mesh.data=2 mesh.pipeline=4 train.grad_accum=4 train.remat=none pipeline.schedule=gpipe": 16.58,
+    "train.global_batch=16": 16.11,  # 18.20 before W made the SwiGLU's cotangents, 17.29 with the spare slot
+    "mesh.data=2 mesh.pipeline=4 train.grad_accum=4 train.remat=none pipeline.schedule=gpipe": 15.41,
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none pipeline.recompute=true "
     "train.global_batch=16": 16.45,
     # beside tensor parallelism a tick's backward branch copies its slot too (GPU_STASH_TICK)
-    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4": 10.12,
-    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 16.67,
+    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4": 9.70,
+    "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 15.18,
     "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none "
-    "sharding.sequence_parallel=true": 14.46,
-    "mesh.data=1 mesh.fsdp=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 15.27,
+    "sharding.sequence_parallel=true": 13.28,
+    "mesh.data=1 mesh.fsdp=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none": 13.78,
     # interleaved, context (all_to_all) in the stages, ZeRO-3's per-layer gathers in the stages
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none pipeline.schedule=interleaved_1f1b "
-    "pipeline.virtual_stages=2 train.global_batch=16": 22.27,
+    "pipeline.virtual_stages=2 train.global_batch=16": 21.10,
     "mesh.data=2 mesh.pipeline=2 mesh.context=2 context.strategy=all_to_all train.grad_accum=4 "
-    "train.remat=none": 19.61,
+    "train.remat=none": 18.44,
     "mesh.data=2 mesh.fsdp=2 mesh.pipeline=2 sharding.zero_stage=3 train.grad_accum=4 train.remat=none "
-    "train.global_batch=16": 21.88,
+    "train.global_batch=16": 19.53,
     # 1f1b_split (2026-12-07): p stage stashes on the first stage where 1f1b holds 2p - 1, one
-    # microbatch's w slot (1f1b at the same layouts: 26.08, 20.09, 14.46, 21.88; 1f1b_split
-    # before W made the SwiGLU's cotangents: 24.62, 17.17, 13.88, 20.37)
-    "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none train.global_batch=16": 20.09,
+    # microbatch's w slot (1f1b at the same layouts: 23.73, 18.92, 13.28, 19.53)
+    "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none train.global_batch=16": 18.92,
     "mesh.data=4 mesh.pipeline=2 train.grad_accum=4 train.remat=none pipeline.schedule=1f1b_split "
-    "train.global_batch=16": 23.57,
+    "train.global_batch=16": 21.21,
     "mesh.data=2 mesh.pipeline=4 train.grad_accum=8 train.remat=none pipeline.schedule=1f1b_split "
-    "train.global_batch=16": 16.73,
+    "train.global_batch=16": 15.55,
     "mesh.data=2 mesh.pipeline=2 mesh.tensor=2 train.grad_accum=4 train.remat=none "
-    "sharding.sequence_parallel=true pipeline.schedule=1f1b_split": 13.48,
+    "sharding.sequence_parallel=true pipeline.schedule=1f1b_split": 12.29,
     "mesh.data=2 mesh.fsdp=2 mesh.pipeline=2 sharding.zero_stage=3 train.grad_accum=4 train.remat=none "
-    "train.global_batch=16 pipeline.schedule=1f1b_split": 19.52,
+    "train.global_batch=16 pipeline.schedule=1f1b_split": 17.16,
 }
 
 

@@ -17,7 +17,7 @@
     activations what the backward keeps, per token and layer, by remat policy and attention
                 implementation, for the tokens of one microbatch on a device; a pipeline stage
                 stashes its vjp's residual leaves (STASHED) in the runner's ring buffer, the
-                timetable's slots and a spare one (pipeline.recompute: false), or keeps each
+                timetable's slots (pipeline.recompute: false), or keeps each
                 in-flight microbatch's input in its x ring (recompute: true)
     working     what is live while a backward recomputes: a share of one layer's activations
                 (remat); a pipeline tick: the stage residuals it holds besides the ring
@@ -91,9 +91,9 @@ W_TICK = 1
 # XLA:GPU: a tick holds one stage's residuals besides the ring (its forward's new ones, or the
 # slot its backward reads); beside tensor parallelism two: the backward's branch copies the
 # slot it reads (the peak's live buffers: the slot's leaves as copies beside the slice). 1B
-# preset, 8 H200 deviceless, fifteen pipelines of p 2 and 4 (1f1b, gpipe, zb_h1, interleaved,
-# recompute; remat none, dots, full; tensor 2, sequence parallel, context, ZeRO-3), 2026-12-07:
-# 0.96-1.09 of XLA:GPU.
+# preset, 8 H200 deviceless, twenty pipelines of p 2 and 4 (1f1b, gpipe, zb_h1, 1f1b_split,
+# interleaved, recompute; remat none, dots, full; tensor 2, sequence parallel, context, ZeRO-3),
+# 2026-12-07, the ring without a spare slot: 0.96-1.11 of XLA:GPU.
 GPU_STASH_TICK = {False: 1, True: 2}  # by tensor > 1
 WORKING = 0.55           # of one layer's remat-free activations, live while a remat backward runs
 LOGIT_COPIES = 3.0       # logits, softmax, their gradient (float32)
@@ -422,9 +422,9 @@ def activation_terms(cfg: Config, layout: Layout, platform: str = "cpu") -> dict
             boundary = tt.n_g_slots + 1 + BOUNDARY_TICK
         else:
             # A forward tick stashes the residuals for its backward in the runner's ring buffer
-            # (the timetable's residual slots and the spare one that takes what arrives for
-            # nobody); a tick holds `tick` stages more (STASH_TICK, GPU_STASH_TICK).
-            out["activations"] = (tt.n_r_slots + 1) * stage
+            # (the timetable's residual slots; filed under a cond, no spare slot since
+            # 2026-12-07); a tick holds `tick` stages more (STASH_TICK, GPU_STASH_TICK).
+            out["activations"] = tt.n_r_slots * stage
             out["working"] = tick * stage
             boundary = tt.n_x_slots + 1 + tt.n_g_slots + 1 + BOUNDARY_TICK
         if layout.remat != "none":

@@ -365,10 +365,12 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
                 lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, i, 0), buf, new)
             xbuf = put(xbuf, x_recv, jnp.where(rx < 0, n_x, rx))
             gbuf = put(gbuf, g_recv, jnp.where(rg < 0, n_g, rg))
-            rbuf = put(rbuf, r_out, jnp.where(rp < 0, n_r, rp))
+            # Only a forward stashes residuals and only Bx keeps what W reads: each files its slot
+            # under a cond (no other tick writes; the rings have no spare slot)
+            rbuf = jax.lax.cond(rp >= 0, lambda b, a: put(b, a, rp), lambda b, a: b, rbuf, r_out)
             if stash:  # the last stage keeps its output for its backward
                 xbuf = put(xbuf, y, jnp.where(yp < 0, n_x, yp))
-            if split:  # Bx keeps what W reads (no other tick writes: the ring has no spare slot)
+            if split:
                 wbuf = jax.lax.cond(wp >= 0, lambda b, a: put(b, a, wp), lambda b, a: b, wbuf, w_out)
             return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 
@@ -381,7 +383,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         acc_lay = {n: jnp.zeros((v, *a.shape), jnp.float32) for n, a in acc_lay.items()}
         buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
         loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
-        rbuf = [jnp.zeros((n_r + 1, *s.shape), s.dtype) for s in r_sds]
+        rbuf = [jnp.zeros((n_r, *s.shape), s.dtype) for s in r_sds]
         wbuf = [jnp.zeros((n_w, *s.shape), s.dtype) for s in w_sds]
         carry = jax.tree.map(lambda a: vary(a, manual),
                              (acc_top, acc_lay, loss0, buf(n_x), buf(n_g), rbuf, wbuf))
