@@ -462,11 +462,11 @@ def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: in
       optimizer the optimizer shard's params, gradient and Adam state read, params and state
                 written, per step (ZeRO-1/2: and the all-gathered params)
       ticks     every tick of the pipeline runner's switch returns a stage's residuals (a
-                forward's, or the zeros of the other branches), filed into the ring buffer, the
-                stage's float32 gradient accumulators and its activation / cotangent buffers,
-                idle or not
-      zb_h1     what Bx keeps for W (w_kept_bytes), written and read back per microbatch, and
-                its ring buffer's slot each tick like the residuals'
+                forward's, or the zeros of the other branches; only a forward's are filed into
+                the ring, since 2026-12-07: per microbatch, in stash), the stage's float32
+                gradient accumulators and its activation / cotangent buffers, idle or not
+      split     (zb_h1, 1f1b_split) what Bx keeps for W (w_kept_bytes), written and read back per
+                microbatch, and the switch's output of it each tick like the residuals'
     Why: a small model's step on a CPU is bound by this traffic as much as by its FLOPs
     (remat `full` runs faster than none there), and it is the roofline's other axis on a GPU."""
     t = cfg.train
@@ -498,7 +498,7 @@ def step_traffic(cfg: Config, layout: Layout, state: dict[str, float], ticks: in
     else:
         weights = state["params"]
     per_micro = 2 * stash + 2 * weights + state["grads"]
-    per_tick = 2 * residuals + state["grads"] + 2 * tokens * ms.dim * c if p > 1 else 0.0
+    per_tick = residuals + state["grads"] + 2 * tokens * ms.dim * c if p > 1 else 0.0
     return layout.micro * per_micro + optimizer_traffic(cfg, layout, state) + ticks * per_tick
 
 
