@@ -224,17 +224,18 @@ def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, 
 # A split backward (zb_h1, 1f1b_split) under a train.remat policy: what W reads of the forward
 # that the policy did not save, so Bx recomputed and keeps for W besides the cotangents, per
 # token and layer (measured on XLA:CPU, float32 and bf16 compute, 2026-12-07, after W computes
-# again what cheap equations give it: split.py's recompute_in_w): "d32" float32 D-sized values
-# (a norm's normalized input, for its scale sum), "d" the norms' outputs (the q/k/v and gate/up
-# matmuls' input), "heads" the attention output (w_o's input, H hd), "mlp" F-sized values (the
-# gate and up matmuls' outputs, from which W makes w_down's input), each in the compute dtype;
-# "f32_d" D-sized values kept with float32 compute only (with bf16 W makes them from a cast).
+# again what cheap equations give it: split.py's recompute_in_w; the norms' outputs are such):
+# "d" D-sized values (full: the attention's q/k/v input), "heads" the attention output (w_o's
+# input, H hd), "mlp" F-sized values (the gate and up matmuls' outputs, from which W makes
+# w_down's input), each in the compute dtype; "f32_d" D-sized values kept with float32
+# compute only (with bf16 W makes them from a cast); "scores" the xla attention's float32
+# probabilities [H, S] (dots_with_no_batch_dims_saveable: W recomputes the attention output
+# from them, a batched dot the policy did not save; with cuDNN there are none).
 W_RECOMPUTED = {
-    "none": {"f32_d": 1.0},
-    "full": {"d32": 1.0, "d": 2.0, "heads": 1.0, "mlp": 2.0, "f32_d": 2.0},
-    "dots_saveable": {"f32_d": 1.0},  # the norms' outputs from the saved residuals, in W
-    # attention's batched dots are recomputed too (float32 measured; bf16 by full's pattern)
-    "dots_with_no_batch_dims_saveable": {"d32": 1.0, "d": 2.0, "heads": 1.0, "mlp": 1.0, "f32_d": 2.0},
+    "none": {},
+    "full": {"d": 1.0, "heads": 1.0, "mlp": 2.0, "f32_d": 1.0},
+    "dots_saveable": {},
+    "dots_with_no_batch_dims_saveable": {"scores": 1.0},
 }
 
 
@@ -243,11 +244,9 @@ def w_kept_bytes(cfg: Config, layout: Layout) -> float:
     (parallel/pipeline/split.py: what W's equations read of Bx's values). The weight matmuls'
     output cotangents (q, k, v, the attention output's, the MLP's: its gate and up cotangents W
     makes again from the SwiGLU's output cotangent) and the two norms' output cotangents for the
-    scale sums, in the compute dtype: 3 D + (H + 2K) hd + F elements; with float32 compute one
-    D more (W_RECOMPUTED's f32_d: 1152 floats a token on the tests' model, 2048 bytes in bf16).
-    Under a train.remat policy also the matmul inputs that Bx recomputed and W cannot make again
-    from cheap equations (W_RECOMPUTED: 2 D + H hd + 2 F and a float32 D with full, one more
-    with float32 compute)."""
+    scale sums, in the compute dtype: 3 D + (H + 2K) hd + F elements (1024 a token on the
+    tests' model). Under a train.remat policy also what Bx recomputed and W cannot make again
+    from cheap equations (W_RECOMPUTED: with full D + H hd + 2 F and, float32, a D more)."""
     ms = ModelShape.of(cfg.model)
     t = layout.size("tensor")
     c = itemsize(cfg.train.compute_dtype)
@@ -255,7 +254,8 @@ def w_kept_bytes(cfg: Config, layout: Layout) -> float:
     k = W_RECOMPUTED[layout.remat]
     f32_d = k.get("f32_d", 0.0) if c == 4 else 0.0
     out = c * (3 * d + ((ms.heads + 2 * ms.kv_heads) * ms.head_dim + ms.ffn) / t)
-    return out + 4 * (k.get("d32", 0.0) + f32_d) * d + c * (
+    scores = ms.heads * cfg.train.seq_len / t if attention_impl(cfg) == "xla" else 0.0
+    return out + 4 * (f32_d * d + k.get("scores", 0.0) * scores) + c * (
         k.get("d", 0.0) * d + (k.get("heads", 0.0) * ms.heads * ms.head_dim + k.get("mlp", 0.0) * ms.ffn) / t)
 
 

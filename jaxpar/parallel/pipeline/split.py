@@ -140,11 +140,12 @@ class _Cut:
 
         def cone(k, depth=0):
             """(new W inputs, equations) computing k from what W has, or None: keep k."""
+            if k in memo:
+                return memo[k]
             i = producer.get(k)
-            if i is None or depth > 12:
-                return None
-            eqn, ins, outs = self.nodes[i]
-            if eqn.primitive.name not in CHEAP or len(outs) != 1:
+            eqn, ins, outs = self.nodes[i] if i is not None else (None, (), ())
+            if i is None or depth > 12 or eqn.primitive.name not in CHEAP or len(outs) != 1:
+                memo[k] = None
                 return None
             new, eqns = set(), {i}
             for a in ins:
@@ -154,17 +155,18 @@ class _Cut:
                     new.add(a)
                     continue
                 sub = cone(a, depth + 1)
-                if sub is None or kept(sub[0]) > self.nbytes.get(a, 0):
+                if sub is None or kept(sub[0] - w_in) > self.nbytes.get(a, 0):
                     new.add(a)
                 else:
                     new |= sub[0]
                     eqns |= sub[1]
-            return new, eqns
+            memo[k] = new, eqns
+            return memo[k]
 
         before = kept(w_in)
         changed = True
         while changed:
-            changed = False
+            changed, memo = False, {}  # cones hold while W's inputs do
             for k in sorted(w_in, reverse=True):  # the latest first: the backward's last values
                 if k in have:
                     continue
