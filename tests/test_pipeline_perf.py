@@ -106,6 +106,9 @@ def test_zb_h1_splits_the_backward_into_halves(remat, flops, devices):
     ["mesh.pipeline=4", "train.grad_accum=4", "pipeline.schedule=zb_h1", "train.remat=full"],
     ["mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "train.grad_accum=4", "pipeline.schedule=zb_h1",
      "train.remat=dots_saveable"],
+    # Bx computes W's attention output from the probabilities (split.pull_into_bx), 1f1b_split
+    ["mesh.data=2", "mesh.pipeline=4", "train.grad_accum=4", "pipeline.schedule=1f1b_split",
+     "train.remat=dots_with_no_batch_dims_saveable"],
     ["mesh.fsdp=2", "mesh.pipeline=2", "sharding.zero_stage=3", "train.grad_accum=2", "mesh.tensor=2"],
 ])
 def test_no_recompute_grads_match_one_device(overrides, reference, devices):
@@ -334,3 +337,38 @@ def test_the_residual_ring_holds_only_the_timetables_slots(schedule, devices, mo
         assert ring(n_r + 1) not in hlo, (shape, n_r)
         found += ring(n_r) in hlo
     assert found, shapes
+
+
+def test_split_bx_computes_a_w_value_smaller_than_its_inputs():
+    """Under a remat policy that does not save batched dots, W's weight gradient of an attention
+    output projection reads the output recomputed from the probabilities: [b, b] a sequence
+    where the output is [b, d]. Bx computes that dot (its inputs are Bx's anyway) and keeps the
+    output for W; each equation still runs once, and W's gradient is the float64 reference's."""
+    import jax
+
+    from jaxpar.parallel.pipeline.split import _Cut
+    rng = np.random.default_rng(2)
+    b, d = 16, 4
+    w = rng.standard_normal((d, d)).astype(np.float32)
+    x, ct = (rng.standard_normal((b, d)).astype(np.float32) for _ in range(2))
+
+    def layer(w, x):
+        p = jax.nn.softmax(x @ x.T, axis=-1)
+        return x + (p @ x) @ w
+    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    _, fn = jax.vjp(layer, w, x)
+    leaves, treedef = jax.tree.flatten(fn)
+    closed = jax.make_jaxpr(lambda l, g: jax.tree.unflatten(treedef, l)(g))(leaves, ct)
+    cut = _Cut.of(closed, 1, len(leaves))
+    have = set(cut.in_keys[:len(leaves)])
+    kept = sorted(cut.nbytes[k] for k in cut.w_in if k not in have)
+    assert kept == [b * d * 4, b * d * 4], kept  # the output's cotangent and the output, no [b, b]
+    dots = lambda nodes: sum(cut.nodes[i][0].primitive.name == "dot_general" for i in nodes)
+    assert dots(cut.w_nodes) == 1  # the weight gradient only
+    _, *w_kept = cut.run(cut.x_nodes, dict(zip(cut.in_keys, [*leaves, ct])), cut.dx_out + cut.w_in)
+    (dw,) = cut.run(cut.w_nodes, dict(zip(cut.w_in, w_kept)), cut.dw_out)
+    x64 = x.astype(np.float64)
+    s = x64 @ x64.T
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(dw, (p @ x64).T @ ct.astype(np.float64), rtol=1e-5, atol=1e-6)

@@ -143,7 +143,7 @@ def test_zb_h1_holds_no_w_slot_copy_but_bx_new_one(compiled):
     layout = Layout.of_config(cfg, 8)
     tokens = cfg.train.global_batch // 4 // 2 * cfg.train.seq_len  # a microbatch on a device
     slot = tokens * cfg.model.n_layers // 2 * w_kept_bytes(cfg, layout)
-    assert slot == 4.25 * 2**20  # 5.75 before W made values again from cheap equations (2026-12-07)
+    assert slot == 3.75 * 2**20  # 5.75 before the cut's two passes (2026-12-07)
     assert mem["temp_bytes"] <= 40.07 * 2**20 - 1.5 * slot
 
 

@@ -223,19 +223,17 @@ def per_token_layer_bytes(ms: ModelShape, remat: str, c: int, t: int, seq: int, 
 
 # A split backward (zb_h1, 1f1b_split) under a train.remat policy: what W reads of the forward
 # that the policy did not save, so Bx recomputed and keeps for W besides the cotangents, per
-# token and layer (measured on XLA:CPU, float32 and bf16 compute, 2026-12-07, after W computes
-# again what cheap equations give it: split.py's recompute_in_w; the norms' outputs are such):
-# "d" D-sized values (full: the attention's q/k/v input), "heads" the attention output (w_o's
-# input, H hd), "mlp" F-sized values (the gate and up matmuls' outputs, from which W makes
-# w_down's input), each in the compute dtype; "f32_d" D-sized values kept with float32
-# compute only (with bf16 W makes them from a cast); "scores" the xla attention's float32
-# probabilities [H, S] (dots_with_no_batch_dims_saveable: W recomputes the attention output
-# from them, a batched dot the policy did not save; with cuDNN there are none).
+# token and layer (measured on XLA:CPU, float32 and bf16 compute, 2026-12-07, after the cut's
+# two passes, split.py: W makes again what cheap equations give it, the norms' outputs among
+# them; Bx computes the W equations whose outputs are fewer bytes than their inputs, the
+# attention output from the probabilities): "heads" the attention output (w_o's input, H hd),
+# "mlp" F-sized values (the gate and up matmuls' outputs, from which W makes w_down's input),
+# each in the compute dtype.
 W_RECOMPUTED = {
     "none": {},
-    "full": {"d": 1.0, "heads": 1.0, "mlp": 2.0, "f32_d": 1.0},
+    "full": {"heads": 1.0, "mlp": 2.0},
     "dots_saveable": {},
-    "dots_with_no_batch_dims_saveable": {"scores": 1.0},
+    "dots_with_no_batch_dims_saveable": {"heads": 1.0},
 }
 
 
@@ -246,17 +244,14 @@ def w_kept_bytes(cfg: Config, layout: Layout) -> float:
     makes again from the SwiGLU's output cotangent) and the two norms' output cotangents for the
     scale sums, in the compute dtype: 3 D + (H + 2K) hd + F elements (1024 a token on the
     tests' model). Under a train.remat policy also what Bx recomputed and W cannot make again
-    from cheap equations (W_RECOMPUTED: with full D + H hd + 2 F and, float32, a D more)."""
+    from cheap equations (W_RECOMPUTED: with full H hd + 2 F)."""
     ms = ModelShape.of(cfg.model)
     t = layout.size("tensor")
     c = itemsize(cfg.train.compute_dtype)
     d = ms.dim / t if cfg.sharding.sequence_parallel else ms.dim
     k = W_RECOMPUTED[layout.remat]
-    f32_d = k.get("f32_d", 0.0) if c == 4 else 0.0
-    out = c * (3 * d + ((ms.heads + 2 * ms.kv_heads) * ms.head_dim + ms.ffn) / t)
-    scores = ms.heads * cfg.train.seq_len / t if attention_impl(cfg) == "xla" else 0.0
-    return out + 4 * (f32_d * d + k.get("scores", 0.0) * scores) + c * (
-        k.get("d", 0.0) * d + (k.get("heads", 0.0) * ms.heads * ms.head_dim + k.get("mlp", 0.0) * ms.ffn) / t)
+    extra = k.get("heads", 0.0) * ms.heads * ms.head_dim + k.get("mlp", 0.0) * ms.ffn
+    return c * (3 * d + ((ms.heads + 2 * ms.kv_heads) * ms.head_dim + ms.ffn + extra) / t)
 
 
 def param_gather_itemsize(itemsize: int, platform: str) -> int:

@@ -123,8 +123,55 @@ class _Cut:
         need = [a for i in cut.w_nodes for a in nodes[i][1]] + cut.dw_out
         cut.w_in = sorted({a for a in need if not isinstance(a, Literal) and a not in made
                            and a not in consts})
-        cut.recompute_in_w(set(cut.in_keys[:n_leaves]))
+        have = set(cut.in_keys[:n_leaves])
+        cut.pull_into_bx(have)
+        cut.recompute_in_w(have)
         return cut
+
+    def pull_into_bx(self, have: set) -> None:
+        """Move into Bx the W equations whose inputs Bx has and whose outputs are fewer bytes to
+        keep than the inputs only they read (under dots_with_no_batch_dims_saveable the
+        attention output, a batched dot the policy did not save, from the probabilities: Bx
+        keeps [H hd] a token instead of [H, S]). Each equation still runs once. The weight
+        matmuls stay in W (the dots that reach a weight gradient through no other dot): they
+        are W's work, the bubble filler, whatever their bytes."""
+        kept = lambda keys: sum(self.nbytes.get(k, 0) for k in keys if k not in have)
+        producer = {k: i for i, (_, _, outs) in enumerate(self.nodes) for k in outs}
+        weight_dots, todo, seen = set(), [k for k in self.dw_out if not isinstance(k, Literal)], set()
+        while todo:  # back from the weight gradients through non-dot equations
+            k = todo.pop()
+            i = producer.get(k)
+            if i is None or i in seen:
+                continue
+            seen.add(i)
+            eqn, ins, _ = self.nodes[i]
+            if eqn.primitive.name == "dot_general":
+                weight_dots.add(i)
+            else:
+                todo.extend(a for a in ins if not isinstance(a, Literal))
+        changed = True
+        while changed:
+            changed = False
+            made_by_w = {k: i for i in self.w_nodes for k in self.nodes[i][2]}
+            readers: dict = {}
+            for i in self.w_nodes:
+                for a in self.nodes[i][1]:
+                    if not isinstance(a, Literal):
+                        readers.setdefault(a, set()).add(i)
+            for i in self.w_nodes:
+                eqn, ins, outs = self.nodes[i]
+                keys = {a for a in ins if not isinstance(a, Literal) and a not in self.consts}
+                if (i in weight_dots or any(a in made_by_w for a in keys)
+                        or any(o in self.dw_out for o in outs)):
+                    continue
+                freed = {a for a in keys if readers.get(a) == {i} and a not in self.dw_out}
+                needed = {o for o in outs if o in readers or o in self.dw_out}
+                if kept(needed) < kept(freed):
+                    self.w_nodes = [j for j in self.w_nodes if j != i]
+                    self.x_nodes = sorted(set(self.x_nodes) | {i})
+                    self.w_in = sorted((set(self.w_in) - freed) | needed)
+                    changed = True
+                    break
 
     def recompute_in_w(self, have: set) -> None:
         """Move into W (again: Bx runs them too) the CHEAP equations whose output W would read
