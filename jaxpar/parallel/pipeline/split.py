@@ -19,7 +19,10 @@ Inlined, the recomputed forward runs in Bx, which keeps for W the weight matmuls
 Where a value W reads comes out of cheap equations (elementwise, broadcasts, reductions: CHEAP)
 of values W has anyway (the forward's residuals, kept until W, or another value Bx keeps), W
 computes it again instead (`_Cut.recompute_in_w`): the SwiGLU's gate and up cotangents from
-the one at its output, so Bx keeps one F-sized value a token and layer instead of two.
+the one at its output, so Bx keeps one F-sized value a token and layer instead of two. The
+other way, Bx computes a W equation whose output is fewer bytes than the inputs only it reads
+(`_Cut.pull_into_bx`: the attention output from the probabilities, where a remat policy did
+not save it); the weight matmuls stay in W.
 Param residuals are referenced, as in residuals.py. Tracing is deterministic, so the cut made in
 one trace (cached here) holds in every other trace of the same stage."""
 from __future__ import annotations
