@@ -367,11 +367,13 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
             gbuf = put(gbuf, g_recv, jnp.where(rg < 0, n_g, rg))
             # Only a forward stashes residuals and only Bx keeps what W reads: each files its slot
             # under a cond (no other tick writes; the rings have no spare slot)
-            rbuf = jax.lax.cond(rp >= 0, lambda b, a: put(b, a, rp), lambda b, a: b, rbuf, r_out)
+            file = lambda buf, new, i: jax.lax.cond(i >= 0, lambda b, a: put(b, a, i), lambda b, a: b,
+                                                    buf, new)
+            rbuf = file(rbuf, r_out, rp)
             if stash:  # the last stage keeps its output for its backward
                 xbuf = put(xbuf, y, jnp.where(yp < 0, n_x, yp))
             if split:
-                wbuf = jax.lax.cond(wp >= 0, lambda b, a: put(b, a, wp), lambda b, a: b, wbuf, w_out)
+                wbuf = file(wbuf, w_out, wp)
             return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 
         acc_top = jax.eval_shape(lambda: scatter(top, {n: flat_specs[n] for n in top}))

@@ -127,19 +127,22 @@ class _Cut:
         cut.w_in = sorted({a for a in need if not isinstance(a, Literal) and a not in made
                            and a not in consts})
         have = set(cut.in_keys[:n_leaves])
-        cut.pull_into_bx(have)
-        cut.recompute_in_w(have)
+        producer = {k: i for i, (_, _, outs) in enumerate(nodes) for k in outs}
+        cut.pull_into_bx(have, producer)
+        cut.recompute_in_w(have, producer)
         return cut
 
-    def pull_into_bx(self, have: set) -> None:
+    def _kept(self, keys, have: set) -> int:
+        """Bytes of `keys` Bx keeps for W (what W has anyway costs nothing)."""
+        return sum(self.nbytes.get(k, 0) for k in keys if k not in have)
+
+    def pull_into_bx(self, have: set, producer: dict) -> None:
         """Move into Bx the W equations whose inputs Bx has and whose outputs are fewer bytes to
         keep than the inputs only they read (under dots_with_no_batch_dims_saveable the
         attention output, a batched dot the policy did not save, from the probabilities: Bx
         keeps [H hd] a token instead of [H, S]). Each equation still runs once. The weight
         matmuls stay in W (the dots that reach a weight gradient through no other dot): they
         are W's work, the bubble filler, whatever their bytes."""
-        kept = lambda keys: sum(self.nbytes.get(k, 0) for k in keys if k not in have)
-        producer = {k: i for i, (_, _, outs) in enumerate(self.nodes) for k in outs}
         weight_dots, todo, seen = set(), [k for k in self.dw_out if not isinstance(k, Literal)], set()
         while todo:  # back from the weight gradients through non-dot equations
             k = todo.pop()
@@ -155,7 +158,7 @@ class _Cut:
         changed = True
         while changed:
             changed = False
-            made_by_w = {k: i for i in self.w_nodes for k in self.nodes[i][2]}
+            made_by_w = {k for i in self.w_nodes for k in self.nodes[i][2]}
             readers: dict = {}
             for i in self.w_nodes:
                 for a in self.nodes[i][1]:
@@ -169,24 +172,23 @@ class _Cut:
                     continue
                 freed = {a for a in keys if readers.get(a) == {i} and a not in self.dw_out}
                 needed = {o for o in outs if o in readers or o in self.dw_out}
-                if kept(needed) < kept(freed):
+                if self._kept(needed, have) < self._kept(freed, have):
                     self.w_nodes = [j for j in self.w_nodes if j != i]
                     self.x_nodes = sorted(set(self.x_nodes) | {i})
                     self.w_in = sorted((set(self.w_in) - freed) | needed)
                     changed = True
                     break
 
-    def recompute_in_w(self, have: set) -> None:
+    def recompute_in_w(self, have: set, producer: dict) -> None:
         """Move into W (again: Bx runs them too) the CHEAP equations whose output W would read
         from Bx, where W can compute it from fewer kept bytes: from `have` (the vjp's leaves,
         which W has anyway), values Bx keeps for W already, or other such equations' outputs.
         Greedy over W's inputs, a tie taken (the SwiGLU's gate cotangent costs its output's
         cotangent, the same size; the up cotangent then costs nothing); kept only if the bytes
         Bx keeps for W fall."""
-        producer = {k: i for i, (_, _, outs) in enumerate(self.nodes) for k in outs}
         made_by_w = {k for i in self.w_nodes for k in self.nodes[i][2]}
         w_nodes, w_in = set(self.w_nodes), set(self.w_in)
-        kept = lambda keys: sum(self.nbytes.get(k, 0) for k in keys if k not in have)
+        kept = lambda keys: self._kept(keys, have)
 
         def cone(k, depth=0):
             """(new W inputs, equations) computing k from what W has, or None: keep k."""
