@@ -339,6 +339,26 @@ def test_the_residual_ring_holds_only_the_timetables_slots(schedule, devices, mo
     assert found, shapes
 
 
+def test_the_stage_input_ring_holds_only_the_timetables_slots(devices):
+    """The x ring (stage inputs, the last stage's kept outputs) is filed under a cond too: a
+    [n_x_slots, rows, seq, D] buffer. Until 2026-12-07 every tick wrote what arrived for nobody
+    into a spare slot, and the g ring had one too: two stage-boundary activations more on every
+    device (XLA:CPU, tests/test_planner.py's fifteen pipeline layouts: 0.19-0.75 MiB less temp).
+    gpipe at p 2, m 4 has 4 x slots, so the spare one's [5, ...] is no other buffer's shape."""
+    from jaxpar.parallel.pipeline.schedule import build_timetable
+    from jaxpar.train.trainer import Trainer
+    from tests.conftest import tiny_config
+    p, m = 2, 4
+    cfg = tiny_config("mesh.data=4", f"mesh.pipeline={p}", f"train.grad_accum={m}", "model.n_layers=4",
+                      "pipeline.schedule=gpipe")
+    hlo = Trainer(cfg, devices=devices, log=lambda s: None).compile().as_text()
+    n_x = build_timetable("gpipe", p, m).n_x_slots
+    rows = cfg.train.global_batch // (cfg.mesh.data * m)
+    ring = lambda n: f"f32[{n},{rows},{cfg.train.seq_len},{cfg.model.dim}]"
+    assert n_x == 4 and ring(n_x) in hlo
+    assert ring(n_x + 1) not in hlo
+
+
 def test_split_bx_computes_a_w_value_smaller_than_its_inputs():
     """Under a remat policy that does not save batched dots, W's weight gradient of an attention
     output projection reads the output recomputed from the probabilities: [b, b] a sequence

@@ -25,7 +25,8 @@
                 layer its backward recomputes (a remat-free layer's residuals less the stashed),
                 without remat that layer's residuals sliced out of the stage's stack
     boundary    a pipeline's [tokens, D] stage-boundary buffers: the x and g rings (their
-                timetable slots and spare ones) and a tick's reads, copies and zeros of them
+                timetable slots; each filed under a cond, no spare slot since 2026-12-07) and
+                a tick's reads, copies and zeros of them
     w_kept      zb_h1: per layer and microbatch between its Bx and its W, what W reads that Bx
                 computed (w_kept_bytes), in the timetable's w slots (d + 1 on device d; the ring
                 has no spare one); a tick's W_TICK more (Bx's new slot)
@@ -410,18 +411,18 @@ def activation_terms(cfg: Config, layout: Layout, platform: str = "cpu") -> dict
             tick = STASH_TICK
         stage = tokens * layers / v * stashed
         if layout.recompute:
-            # A stage keeps each in-flight microbatch's input (the x ring: its slots and the
-            # spare one); a backward tick runs the stage's vjp again: its residuals, live at once.
-            out["activations"] = (tt.n_x_slots + 1) * tokens * ms.dim * c
+            # A stage keeps each in-flight microbatch's input (the x ring's slots); a backward
+            # tick runs the stage's vjp again: its residuals, live at once.
+            out["activations"] = tt.n_x_slots * tokens * ms.dim * c
             out["working"] = stage
-            boundary = tt.n_g_slots + 1 + BOUNDARY_TICK
+            boundary = tt.n_g_slots + BOUNDARY_TICK
         else:
             # A forward tick stashes the residuals for its backward in the runner's ring buffer
             # (the timetable's residual slots; filed under a cond, no spare slot since
             # 2026-12-07); a tick holds `tick` stages more (STASH_TICK, GPU_STASH_TICK).
             out["activations"] = tt.n_r_slots * stage
             out["working"] = tick * stage
-            boundary = tt.n_x_slots + 1 + tt.n_g_slots + 1 + BOUNDARY_TICK
+            boundary = tt.n_x_slots + tt.n_g_slots + BOUNDARY_TICK
         if layout.remat != "none":
             # the backward (Bx with zb_h1) recomputes one layer at a time what the policy did not
             # save: a remat-free layer's residuals less the stashed ones, all live at its peak

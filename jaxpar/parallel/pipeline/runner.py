@@ -360,19 +360,19 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
                                                                Slot(rbuf, rs), Slot(wbuf, ws), tok, k)
             x_recv = send(y, fwd_pats, fi)
             g_recv = send(dx, bwd_pats, bi)
-            # Slot n (one past the last) takes what arrives for nobody.
+            # Each ring is written only where the timetable names a slot: under a cond, so that
+            # no ring needs a spare slot for the ticks that file nothing (it was one stage input,
+            # one cotangent and one stage stash more on every device)
             put = lambda buf, new, i: jax.tree.map(
                 lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, i, 0), buf, new)
-            xbuf = put(xbuf, x_recv, jnp.where(rx < 0, n_x, rx))
-            gbuf = put(gbuf, g_recv, jnp.where(rg < 0, n_g, rg))
-            # Only a forward stashes residuals and only Bx keeps what W reads: each files its slot
-            # under a cond (no other tick writes; the rings have no spare slot)
             file = lambda buf, new, i: jax.lax.cond(i >= 0, lambda b, a: put(b, a, i), lambda b, a: b,
                                                     buf, new)
-            rbuf = file(rbuf, r_out, rp)
+            xbuf = file(xbuf, x_recv, rx)
+            gbuf = file(gbuf, g_recv, rg)
+            rbuf = file(rbuf, r_out, rp)  # only a forward stashes residuals
             if stash:  # the last stage keeps its output for its backward
-                xbuf = put(xbuf, y, jnp.where(yp < 0, n_x, yp))
-            if split:
+                xbuf = file(xbuf, y, yp)
+            if split:  # only Bx keeps what W reads
                 wbuf = file(wbuf, w_out, wp)
             return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 
@@ -383,7 +383,7 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         acc_lay = jax.eval_shape(lambda: scatter({n: a[0] for n, a in lay.items()},
                                                  {n: flat_specs[n] for n in lay}))
         acc_lay = {n: jnp.zeros((v, *a.shape), jnp.float32) for n, a in acc_lay.items()}
-        buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n + 1, *s.shape), s.dtype), x_sds)
+        buf = lambda n: jax.tree.map(lambda s: jnp.zeros((n, *s.shape), s.dtype), x_sds)
         loss0 = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sown_sds))
         rbuf = [jnp.zeros((n_r, *s.shape), s.dtype) for s in r_sds]
         wbuf = [jnp.zeros((n_w, *s.shape), s.dtype) for s in w_sds]
