@@ -310,7 +310,8 @@ def test_the_residual_ring_holds_only_the_timetables_slots(schedule, devices, mo
     holds the timetable's slots, each residual leaf [slots, layers, ...] with slots =
     n_r_slots. Until 2026-12-07 every tick filed its branch's residuals (the other branches'
     zeros) into a spare slot: a whole stage's residuals more on every device (XLA:CPU, data 2 x
-    pipeline 4, m 8, 1f1b: 25.85 -> 23.51 MiB compiled temp)."""
+    pipeline 4, m 8, 1f1b: 25.85 -> 23.51 MiB compiled temp). The tick files every ring it
+    writes in one switch."""
     from jaxpar.parallel.pipeline.residuals import StashPlan
     from jaxpar.parallel.pipeline.schedule import build_timetable
     from jaxpar.train.trainer import Trainer
@@ -337,6 +338,22 @@ def test_the_residual_ring_holds_only_the_timetables_slots(schedule, devices, mo
         assert ring(n_r + 1) not in hlo, (shape, n_r)
         found += ring(n_r) in hlo
     assert found, shapes
+    # ... and one switch files all of a tick's rings (a cond per ring was 7 conditionals a tick
+    # with 1f1b, 8 with zb_h1; XLA:GPU reads every conditional's index back to the host):
+    # the tick's op switch, its two send switches and the filing switch
+    body = max(_conditionals_per_computation(hlo).values())
+    assert body == 4, body
+
+
+def _conditionals_per_computation(hlo: str) -> dict[str, int]:
+    counts, name = {}, None
+    for line in hlo.splitlines():
+        if line.endswith("{") and not line.startswith(" "):
+            name = line.split(" ")[1] if line.startswith("ENTRY") else line.split(" ")[0]
+            counts[name] = 0
+        elif name is not None and " conditional(" in line:
+            counts[name] += 1
+    return counts
 
 
 def test_the_stage_input_ring_holds_only_the_timetables_slots(devices):

@@ -116,8 +116,8 @@ def _send_index(cond: dict, sends: list, stage_of: Callable[[int], int]):
 
 def pipelined(hlo_text: str, tt, stage_of: Callable[[int], int]) -> dict:
     """A pipelined step's result bytes and ops per kind per device: {"stages": [per stage],
-    "mean": over stages}. The tick is a switch over op kinds and a switch per send direction
-    (runner.tick_plan); collective_ops counts every branch on every tick, so here a stage counts
+    "mean": over stages}. The tick is a switch over op kinds, a switch per send direction
+    (runner.tick_plan) and a switch that files into the rings (no collectives); collective_ops counts every branch on every tick, so here a stage counts
     what runs outside them, each op branch times the ticks it runs that op (the last stage's
     include the head and loss), and each send branch times the ticks that send its pattern.
     A conditional it cannot place (not the tick's) counts all branches, as collective_ops does."""
@@ -133,12 +133,19 @@ def pipelined(hlo_text: str, tt, stage_of: Callable[[int], int]) -> dict:
             into[k]["ops"] += r["ops"] * times
 
     add(every, res["outside"], 1)
-    for cond in res["conditionals"]:
-        idx = _send_index(cond, sends, stage_of) if cond["runs"] == tt.ticks else None
+    conds = res["conditionals"]
+    send_idx = [_send_index(c, sends, stage_of) if c["runs"] == tt.ticks else None for c in conds]
+    # the op switch: a tick's other conditional with a branch per op code; the filing switch (no
+    # collectives) may have as many branches, so one that moves something is preferred
+    shaped = [c for c, i in zip(conds, send_idx)
+              if i is None and c["runs"] == tt.ticks and len(c["branches"]) == len(codes)]
+    moving = [c for c in shaped if any(r["ops"] for b in c["branches"] for r in b.values())]
+    op_cond = (moving or shaped or [None])[0]
+    for cond, idx in zip(conds, send_idx):
         if idx is not None:
             for j, branch in enumerate(cond["branches"]):
                 add(every, branch, int((idx == j).sum()))
-        elif cond["runs"] == tt.ticks and len(cond["branches"]) == len(codes) and not op_switch:
+        elif cond is op_cond:
             op_switch = True
             for d, into in enumerate(stages):
                 for code, branch in zip(codes, cond["branches"]):

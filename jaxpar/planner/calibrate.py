@@ -3,8 +3,8 @@ devices share a compute unit (one device's matmul throughput alone against all d
 once; on a CPU the devices over its cores), a unit's matmul throughput per dtype and memory
 bandwidth (every device at once, over the units; on a CPU also the rate of first touches of
 fresh memory), all-reduce bandwidth and latency over the local devices, the fixed cost of a loop
-iteration (efficiency.layer_overhead_us) and of a pipeline tick (a switch and a send:
-efficiency.tick_overhead_us), memory per device (the accelerator's, or the host's RAM shared by
+iteration (efficiency.layer_overhead_us) and of a pipeline tick (the runner's switches and
+sends: efficiency.tick_overhead_us), memory per device (the accelerator's, or the host's RAM shared by
 forced CPU devices).
 
 On a GPU (or TPU), one device alone included: larger problems (a [8192, 8192] matmul, 2 GiB of
@@ -124,20 +124,31 @@ def memory_gbps(size_bytes: int) -> tuple[float, float | None]:
 
 def loop_overhead_us(iterations: int = 200) -> tuple[float, float]:
     """(a loop iteration's, a pipeline tick's) fixed seconds in microseconds, all devices at
-    once: a scan over a tiny body; a scan whose body switches on the device's index and sends a
-    small buffer to the next device (the pipeline runner's per-tick work), less the bare scan."""
+    once: a scan over a tiny body; a scan whose body has the pipeline runner's conditionals
+    (runner.make_pipeline_grads: an op switch on the device's row, a send switch per direction
+    that every device agrees on, one switch that files into a ring), less the bare scan. XLA:GPU
+    reads each conditional's index back to the host, so the tick's cost is mostly theirs."""
     n = jax.local_device_count()
-    perm = [(i, (i + 1) % n) for i in range(n)]
+    forward = [(i, (i + 1) % n) for i in range(n)]
+    backward = [(b, a) for a, b in forward]
 
     def bare(x):
         return jax.lax.scan(lambda c, _: (c * 0.5 + 1.0, None), x, None, length=iterations)[0]
 
     def ticked(x):
-        def tick(c, _):
-            i = jax.lax.axis_index("d") % 2
+        def send(v, t, perm):  # branch 0 sends nothing, as on the runner's ticks without sends
+            return jax.lax.switch(t % 2, [jnp.zeros_like, lambda u: jax.lax.ppermute(u, "d", perm)], v)
+
+        def tick(carry, t):
+            c, ring = carry
+            i = (jax.lax.axis_index("d") + t) % 2
             c = jax.lax.switch(i, [lambda v: v * 0.5 + 1.0, lambda v: v * 0.25 + 2.0], c)
-            return jax.lax.ppermute(c, "d", perm), None
-        return jax.lax.scan(tick, x, None, length=iterations)[0]
+            c = send(c, t, forward) + send(c, t + 1, backward)
+            ring = jax.lax.switch(i, [lambda r: r, lambda r: r.at[t % 2].set(c)], ring)
+            return (c, ring), None
+        ring = jnp.broadcast_to(x * 0, (2, *x.shape))  # varying over "d", as x is
+        (c, ring), _ = jax.lax.scan(tick, (x, ring), jnp.arange(iterations))
+        return c + ring[0]
 
     shape = (256,)
     fb, x = _everywhere(bare, shape)

@@ -102,6 +102,24 @@ def tick_plan(tt: Timetable):
             send_patterns(tt.recv_g, bwd_perm))
 
 
+def file_patterns(tt: Timetable) -> tuple[list[tuple[str, ...]], np.ndarray]:
+    """(filings, index [tick, device]): the distinct sets of rings a device files into on a tick
+    ("x": a received stage input, "g": a received cotangent, "r": its forward's residuals, "y":
+    the last stage's output, "w": what Bx keeps for W), the rings the schedule has only."""
+    puts = {"x": tt.recv_x, "g": tt.recv_g}
+    if not tt.recompute:
+        puts.update(r=tt.r_put, y=tt.y_put)
+    if tt.schedule in SPLIT:
+        puts["w"] = tt.w_put
+    names = list(puts)
+    masks = np.stack([puts[n] >= 0 for n in names], -1)  # [tick, device, ring]
+    filings = sorted({tuple(n for n, on in zip(names, row) if on) for row in masks.reshape(-1, len(names))})
+    index = np.zeros(masks.shape[:2], np.int32)
+    for j, f in enumerate(filings):
+        index[(masks == np.array([n in f for n in names])).all(-1)] = j
+    return filings, index
+
+
 class Slot(NamedTuple):
     """A slot of one of the runner's rings (a list of [slots, ...] buffers: the stage residuals,
     or zb_h1's what-Bx-keeps-for-W), handed whole and read-only into the tick's switch with the
@@ -147,6 +165,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
     used, (fwd_pats, fwd_idx), (bwd_pats, bwd_idx) = tick_plan(tt)
     tables = np.concatenate([tables, np.broadcast_to(np.stack([fwd_idx, bwd_idx], -1)[:, None],
                                                      (tt.ticks, p, 2))], -1)
+    # Per tick and device, which rings it files into: one switch over the combinations the
+    # timetable uses (file_patterns), not a cond per ring
+    filings, file_idx = file_patterns(tt)
+    tables = np.concatenate([tables, file_idx[..., None]], -1)
 
     def run(params, mbs, loss_fn):
         flat = flatten(params)
@@ -353,27 +375,32 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         def tick(carry, row):
             at, al, loss, xbuf, gbuf, rbuf, wbuf = carry
             r = row[d]
-            code, i, k, xs, gs, rx, rg, rs, rp, yp, ws, wp, fi, bi = (r[j] for j in range(14))
+            code, i, k, xs, gs, rx, rg, rs, rp, yp, ws, wp, fi, bi, fl = (r[j] for j in range(15))
             tok = mb_at(i)
             x_in, g_in = tree_at(xbuf, xs), tree_at(gbuf, gs)
             at, al, loss, y, dx, r_out, w_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
                                                                Slot(rbuf, rs), Slot(wbuf, ws), tok, k)
             x_recv = send(y, fwd_pats, fi)
             g_recv = send(dx, bwd_pats, bi)
-            # Each ring is written only where the timetable names a slot: under a cond, so that
-            # no ring needs a spare slot for the ticks that file nothing (it was one stage input,
-            # one cotangent and one stage stash more on every device)
+            # Each ring is written only where the timetable names a slot, so that no ring needs a
+            # spare slot for the ticks that file nothing (until 2026-12-07 the x and g rings had one,
+            # the residual ring until earlier that day: a stage stash more on every device). One
+            # switch files all of a tick's: XLA:GPU syncs the host on every conditional (it reads
+            # the branch index back), and a cond per ring was up to five a tick.
             put = lambda buf, new, i: jax.tree.map(
                 lambda b, a: jax.lax.dynamic_update_index_in_dim(b, a, i, 0), buf, new)
-            file = lambda buf, new, i: jax.lax.cond(i >= 0, lambda b, a: put(b, a, i), lambda b, a: b,
-                                                    buf, new)
-            xbuf = file(xbuf, x_recv, rx)
-            gbuf = file(gbuf, g_recv, rg)
-            rbuf = file(rbuf, r_out, rp)  # only a forward stashes residuals
-            if stash:  # the last stage keeps its output for its backward
-                xbuf = file(xbuf, y, yp)
-            if split:  # only Bx keeps what W reads
-                wbuf = file(wbuf, w_out, wp)
+            writes = {"x": (0, x_recv, rx), "g": (1, g_recv, rg), "r": (2, r_out, rp), "y": (0, y, yp),
+                      "w": (3, w_out, wp)}
+
+            def filing(rings):
+                def branch(bufs):
+                    bufs = list(bufs)
+                    for ring in rings:  # x before y: both file into the x ring
+                        at, new, i = writes[ring]
+                        bufs[at] = put(bufs[at], new, i)
+                    return tuple(bufs)
+                return branch
+            xbuf, gbuf, rbuf, wbuf = jax.lax.switch(fl, [filing(f) for f in filings], (xbuf, gbuf, rbuf, wbuf))
             return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 
         acc_top = jax.eval_shape(lambda: scatter(top, {n: flat_specs[n] for n in top}))
