@@ -400,7 +400,8 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
                         bufs[at] = put(bufs[at], new, i)
                     return tuple(bufs)
                 return branch
-            xbuf, gbuf, rbuf, wbuf = jax.lax.switch(fl, [filing(f) for f in filings], (xbuf, gbuf, rbuf, wbuf))
+            rings = (xbuf, gbuf, rbuf, wbuf)
+            xbuf, gbuf, rbuf, wbuf = jax.lax.switch(fl, [filing(f) for f in filings], rings)
             return (at, al, loss, xbuf, gbuf, rbuf, wbuf), None
 
         acc_top = jax.eval_shape(lambda: scatter(top, {n: flat_specs[n] for n in top}))
