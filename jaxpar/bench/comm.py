@@ -118,8 +118,9 @@ def pipelined(hlo_text: str, tt, stage_of: Callable[[int], int]) -> dict:
     """A pipelined step's result bytes and ops per kind per device: {"stages": [per stage],
     "mean": over stages}. The tick is a switch over op kinds, a switch per send direction
     (runner.tick_plan) and a switch that files into the rings (no collectives); collective_ops
-    counts every branch on every tick, so here a stage counts what runs outside them, each op branch times the ticks it runs that op (the last stage's
-    include the head and loss), and each send branch times the ticks that send its pattern.
+    counts every branch on every tick, so here a stage counts what runs outside them, each op
+    branch times the ticks it runs that op (the last stage's include the head and loss), and
+    each send branch times the ticks that send its pattern.
     A conditional it cannot place (not the tick's) counts all branches, as collective_ops does."""
     from jaxpar.parallel.pipeline.runner import tick_plan
     codes, fwd, bwd = tick_plan(tt)
