@@ -124,13 +124,14 @@ def reference(devices):
 
 
 def test_ppermutes_send_only_real_values(devices):
-    """The compiled step's collective-permutes are the timetable's send patterns, one each: no
-    pair on a tick whose source has nothing to send (1f1b p=4 m=4: 5 forward and 5 backward
-    patterns from the fill and the drain; the old runner's two full ppermutes per tick sent
-    zeros on the idle ones)."""
+    """The compiled step's collective-permutes are the timetable's send patterns: no pair on a
+    tick whose source has nothing to send (1f1b p=4 m=4: 5 forward and 5 backward patterns from
+    the fill and the drain; the old runner's two full ppermutes per tick sent zeros on the idle
+    ones). One switch sends both directions (one conditional a tick, not two): each of its
+    branches is a move, a forward and a backward pattern, each permute once in it."""
     import re
 
-    from jaxpar.parallel.pipeline.runner import send_patterns
+    from jaxpar.parallel.pipeline.runner import send_patterns, tick_plan
     from jaxpar.train.trainer import Trainer
     from tests.conftest import tiny_config
     trainer = Trainer(tiny_config(*P4), devices=devices[:4], log=lambda s: None)
@@ -138,10 +139,14 @@ def test_ppermutes_send_only_real_values(devices):
     found = [tuple(tuple(map(int, pair.split(","))) for pair in re.findall(r"\{(\d+,\d+)\}", pairs))
              for pairs in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", hlo)]
     tt = build_timetable("1f1b", 4, 4)
-    fwd, _ = send_patterns(tt.recv_x, [(0, 1), (1, 2), (2, 3)])
-    bwd, _ = send_patterns(tt.recv_g, [(1, 0), (2, 1), (3, 2)])
-    assert sorted(found) == sorted(fwd + bwd)
-    assert len(fwd) == len(bwd) == 5
+    fwd, fwd_idx = send_patterns(tt.recv_x, [(0, 1), (1, 2), (2, 3)])
+    bwd, bwd_idx = send_patterns(tt.recv_g, [(1, 0), (2, 1), (3, 2)])
+    assert len(fwd) == len(bwd) == 5 and set(found) == set(fwd + bwd)
+    _, (moves, index) = tick_plan(tt)
+    assert sorted(found) == sorted(pattern for move in moves for pattern in move if pattern)
+    for t in range(tt.ticks):  # the tick's move is its two directions' patterns
+        want = (fwd[fwd_idx[t] - 1] if fwd_idx[t] else (), bwd[bwd_idx[t] - 1] if bwd_idx[t] else ())
+        assert (moves[index[t] - 1] if index[t] else ((), ())) == want
 
 
 def test_interleaved_step_moves_no_weights(devices):
@@ -338,11 +343,12 @@ def test_the_residual_ring_holds_only_the_timetables_slots(schedule, devices, mo
         assert ring(n_r + 1) not in hlo, (shape, n_r)
         found += ring(n_r) in hlo
     assert found, shapes
-    # ... and one switch files all of a tick's rings (a cond per ring was 7 conditionals a tick
-    # with 1f1b, 8 with zb_h1; XLA:GPU reads every conditional's index back to the host):
-    # the tick's op switch, its two send switches and the filing switch
+    # ... and one switch files all of a tick's rings (a cond per ring and a send switch per
+    # direction were 7 conditionals a tick with 1f1b, 8 with zb_h1; XLA:GPU reads every
+    # conditional's index back to the host): the tick's op switch, its send switch and the
+    # filing switch
     body = max(_conditionals_per_computation(hlo).values())
-    assert body == 4, body
+    assert body == 3, body
 
 
 def _conditionals_per_computation(hlo: str) -> dict[str, int]:

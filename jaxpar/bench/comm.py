@@ -101,32 +101,31 @@ def _stage_pairs(pairs_text: str, stage_of: Callable[[int], int]) -> frozenset:
     return frozenset((stage_of(int(a)), stage_of(int(b))) for a, b in pairs)
 
 
-def _send_index(cond: dict, sends: list, stage_of: Callable[[int], int]):
-    """The per-tick branch index of the send switch whose branches are `cond`'s (branch 0 sends
-    nothing, branch j every pair of pattern j), from [(patterns, index per tick)]; None if none."""
-    for pats, idx in sends:
-        if len(cond["branches"]) != len(pats) + 1 or cond["pairs"][0]:
-            continue
-        if all(pairs and all(_stage_pairs(t, stage_of) == frozenset(pat) for t in pairs)
-               for pairs, pat in zip(cond["pairs"][1:], pats)):
-            sends.remove((pats, idx))
-            return idx
-    return None
+def _send_index(cond: dict, moves: list, index, stage_of: Callable[[int], int]):
+    """The per-tick branch index of the tick's send switch if `cond` is it (branch 0 sends
+    nothing, branch j the forward and backward patterns of move j: runner.tick_plan); else None."""
+    if len(cond["branches"]) != len(moves) + 1 or cond["pairs"][0]:
+        return None
+    for pairs, move in zip(cond["pairs"][1:], moves):
+        want = {frozenset(pattern) for pattern in move if pattern}
+        if not pairs or {_stage_pairs(t, stage_of) for t in pairs} != want:
+            return None
+    return index
 
 
 def pipelined(hlo_text: str, tt, stage_of: Callable[[int], int]) -> dict:
     """A pipelined step's result bytes and ops per kind per device: {"stages": [per stage],
-    "mean": over stages}. The tick is a switch over op kinds, a switch per send direction
-    (runner.tick_plan) and a switch that files into the rings (no collectives); collective_ops
+    "mean": over stages}. The tick is a switch over op kinds, a send switch (runner.tick_plan)
+    and a switch that files into the rings (no collectives); collective_ops
     counts every branch on every tick, so here a stage counts what runs outside them, each op
     branch times the ticks it runs that op (the last stage's include the head and loss), and
-    each send branch times the ticks that send its pattern.
+    each send branch times the ticks that make its move.
     A conditional it cannot place (not the tick's) counts all branches, as collective_ops does."""
     from jaxpar.parallel.pipeline.runner import tick_plan
-    codes, fwd, bwd = tick_plan(tt)
+    codes, (moves, move_idx) = tick_plan(tt)
     res = conditional_collectives(hlo_text)
     rows = lambda: {k: {"result_bytes": 0.0, "ops": 0.0} for k in COLLECTIVE_KINDS}
-    every, stages, sends, op_switch = rows(), [rows() for _ in range(tt.p)], [fwd, bwd], False
+    every, stages, op_switch = rows(), [rows() for _ in range(tt.p)], False
 
     def add(into, branch, times):
         for k, r in branch.items():
@@ -135,7 +134,9 @@ def pipelined(hlo_text: str, tt, stage_of: Callable[[int], int]) -> dict:
 
     add(every, res["outside"], 1)
     conds = res["conditionals"]
-    send_idx = [_send_index(c, sends, stage_of) if c["runs"] == tt.ticks else None for c in conds]
+    send_idx = [_send_index(c, moves, move_idx, stage_of) if c["runs"] == tt.ticks and moves else None
+                for c in conds]
+    found_sends = sum(i is not None for i in send_idx)
     # the op switch: a tick's other conditional with a branch per op code; the filing switch (no
     # collectives) may have as many branches, so one that moves something is preferred
     shaped = [c for c, i in zip(conds, send_idx)
@@ -154,9 +155,9 @@ def pipelined(hlo_text: str, tt, stage_of: Callable[[int], int]) -> dict:
         else:
             for branch in cond["branches"]:
                 add(every, branch, cond["runs"])
-    if not op_switch or any(pats for pats, _ in sends):
+    if not op_switch or found_sends != (1 if moves else 0):
         raise ValueError(f"pipelined: the tick's switches are not in the HLO as runner.tick_plan says "
-                         f"(op switch found: {op_switch}, send switches left: {len(sends)})")
+                         f"(op switch found: {op_switch}, send switches found: {found_sends})")
     for into in stages:
         add(into, {k: {"bytes": r["result_bytes"], "ops": r["ops"]} for k, r in every.items()}, 1)
     mean = {k: {f: sum(s[k][f] for s in stages) / tt.p for f in ("result_bytes", "ops")}

@@ -125,9 +125,9 @@ def memory_gbps(size_bytes: int) -> tuple[float, float | None]:
 def loop_overhead_us(iterations: int = 200) -> tuple[float, float]:
     """(a loop iteration's, a pipeline tick's) fixed seconds in microseconds, all devices at
     once: a scan over a tiny body; a scan whose body has the pipeline runner's conditionals
-    (runner.make_pipeline_grads: an op switch on the device's row, a send switch per direction
-    that every device agrees on, one switch that files into a ring), less the bare scan. XLA:GPU
-    reads each conditional's index back to the host, so the tick's cost is mostly theirs."""
+    (runner.make_pipeline_grads: an op switch on the device's row, a send switch that every
+    device agrees on, one switch that files into a ring), less the bare scan. XLA:GPU reads each
+    conditional's index back to the host, so the tick's cost is mostly theirs."""
     n = jax.local_device_count()
     forward = [(i, (i + 1) % n) for i in range(n)]
     backward = [(b, a) for a, b in forward]
@@ -136,14 +136,16 @@ def loop_overhead_us(iterations: int = 200) -> tuple[float, float]:
         return jax.lax.scan(lambda c, _: (c * 0.5 + 1.0, None), x, None, length=iterations)[0]
 
     def ticked(x):
-        def send(v, t, perm):  # branch 0 sends nothing, as on the runner's ticks without sends
-            return jax.lax.switch(t % 2, [jnp.zeros_like, lambda u: jax.lax.ppermute(u, "d", perm)], v)
+        def send(v, t):  # the tick's one send switch: nothing, one direction, or both
+            moves = [jnp.zeros_like, lambda u: jax.lax.ppermute(u, "d", forward),
+                     lambda u: jax.lax.ppermute(u, "d", forward) + jax.lax.ppermute(u, "d", backward)]
+            return jax.lax.switch(t % 3, moves, v)
 
         def tick(carry, t):
             c, ring = carry
             i = (jax.lax.axis_index("d") + t) % 2
             c = jax.lax.switch(i, [lambda v: v * 0.5 + 1.0, lambda v: v * 0.25 + 2.0], c)
-            c = send(c, t, forward) + send(c, t + 1, backward)
+            c = send(c, t)
             ring = jax.lax.switch(i, [lambda r: r, lambda r: r.at[t % 2].set(c)], ring)
             return (c, ring), None
         ring = jnp.broadcast_to(x * 0, (2, *x.shape))  # varying over "d", as x is

@@ -20,10 +20,11 @@ One `lax.scan` over the ticks; each tick
      the last stage's forward is folded into its backward;
   3. sends the forward output to the next stage and the input cotangent to the previous one,
      each a ppermute over only the (source, destination) pairs that have something to send on
-     this tick (one static pattern per tick, picked by a lax.switch all devices agree on; a
-     tick nobody sends on runs no ppermute), and files what arrives into ring buffers at the
-     slots the timetable allocated (so a stage keeps only as many inputs as the schedule has
-     in flight).
+     this tick (one static pattern a direction per tick, both picked by one lax.switch all
+     devices agree on; a tick nobody sends on runs no ppermute), and files what arrives, and
+     what the tick keeps, into ring buffers at the slots the timetable allocated (one switch;
+     so a stage keeps only as many inputs as the schedule has in flight). XLA:GPU syncs the
+     host on every conditional: a tick runs three (op, send, file).
 Gradients accumulate per device: layer grads stay local to their stage, top-param grads are
 summed over `pipeline` by the step's final reduction (only the first and last stage add to them).
 What passes between stages is the model's scan carry, any pytree (the MoE model carries its
@@ -93,13 +94,22 @@ def stage_perms(p: int, v: int) -> tuple[list[tuple[int, int]], list[tuple[int, 
 
 
 def tick_plan(tt: Timetable):
-    """What the compiled tick runs: (branch codes, forward send patterns and index per tick,
-    backward ones). The tick's op switch has one branch per code the timetable uses, in code
-    order; each send switch branch 0 (nothing) and one per pattern (send_patterns). Read by
-    the runner and by whoever weights the compiled step's branches (bench.comm)."""
+    """What the compiled tick runs: (branch codes, (moves, index per tick)). The tick's op
+    switch has one branch per code the timetable uses, in code order; its send switch branch 0
+    (nothing) and one per move: a (forward pattern, backward pattern) pair of send_patterns'
+    (either may be empty), numbered by first use. Read by the runner and by whoever weights the
+    compiled step's branches (bench.comm)."""
     fwd_perm, bwd_perm = stage_perms(tt.p, tt.v)
-    return (sorted(set(np.unique(tt.code).tolist())), send_patterns(tt.recv_x, fwd_perm),
-            send_patterns(tt.recv_g, bwd_perm))
+    (fwd, fwd_idx), (bwd, bwd_idx) = send_patterns(tt.recv_x, fwd_perm), send_patterns(tt.recv_g, bwd_perm)
+    moves: list[tuple[tuple, tuple]] = []
+    index = np.zeros(tt.ticks, np.int32)
+    for t, (f, b) in enumerate(zip(fwd_idx, bwd_idx)):
+        if f or b:
+            move = (fwd[f - 1] if f else (), bwd[b - 1] if b else ())
+            if move not in moves:
+                moves.append(move)
+            index[t] = moves.index(move) + 1
+    return sorted(set(np.unique(tt.code).tolist())), (moves, index)
 
 
 def file_patterns(tt: Timetable) -> tuple[list[tuple[str, ...]], np.ndarray]:
@@ -160,11 +170,10 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
     stash = not tt.recompute
     split = tt.schedule in SPLIT  # zb_h1: Bx and W
     flat_specs = flatten(grad_specs)
-    # Per tick, the pairs that send: a pattern index per direction (0: nobody), the same column
-    # on every device so that the switch around the ppermute is uniform.
-    used, (fwd_pats, fwd_idx), (bwd_pats, bwd_idx) = tick_plan(tt)
-    tables = np.concatenate([tables, np.broadcast_to(np.stack([fwd_idx, bwd_idx], -1)[:, None],
-                                                     (tt.ticks, p, 2))], -1)
+    # Per tick, the pairs that send: a move index (0: nobody), the same column on every device so
+    # that the switch around the ppermutes is uniform.
+    used, (moves, move_idx) = tick_plan(tt)
+    tables = np.concatenate([tables, np.broadcast_to(move_idx[:, None, None], (tt.ticks, p, 1))], -1)
     # Per tick and device, which rings it files into: one switch over the combinations the
     # timetable uses (file_patterns), not a cond per ring
     filings, file_idx = file_patterns(tt)
@@ -366,22 +375,23 @@ def make_pipeline_grads(model, timetable: Timetable, ctx: nn.Context, prepare_to
         fns = [branches[c] for c in used]
         d = jax.lax.axis_index(AXIS)
 
-        def send(tree, patterns, idx):
-            nothing = lambda t: zeros_x
-            moves = [lambda t, pairs=pairs: jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, pairs), t)
-                     for pairs in patterns]
-            return jax.lax.switch(idx, [nothing, *moves], tree)
+        def send(y, dx, idx):
+            """The tick's forward and backward sends: one switch (one conditional, which XLA:GPU
+            syncs the host on), each branch a move of tick_plan's."""
+            permute = lambda tree, pairs: (jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, pairs), tree)
+                                           if pairs else zeros_x)
+            branches = [lambda y, dx, fw=fw, bw=bw: (permute(y, fw), permute(dx, bw)) for fw, bw in moves]
+            return jax.lax.switch(idx, [lambda y, dx: (zeros_x, zeros_x), *branches], y, dx)
 
         def tick(carry, row):
             at, al, loss, xbuf, gbuf, rbuf, wbuf = carry
             r = row[d]
-            code, i, k, xs, gs, rx, rg, rs, rp, yp, ws, wp, fi, bi, fl = (r[j] for j in range(15))
+            code, i, k, xs, gs, rx, rg, rs, rp, yp, ws, wp, mi, fl = (r[j] for j in range(14))
             tok = mb_at(i)
             x_in, g_in = tree_at(xbuf, xs), tree_at(gbuf, gs)
             at, al, loss, y, dx, r_out, w_out = jax.lax.switch(code, fns, at, al, loss, x_in, g_in,
                                                                Slot(rbuf, rs), Slot(wbuf, ws), tok, k)
-            x_recv = send(y, fwd_pats, fi)
-            g_recv = send(dx, bwd_pats, bi)
+            x_recv, g_recv = send(y, dx, mi)
             # Each ring is written only where the timetable names a slot, so that no ring needs a
             # spare slot for the ticks that file nothing (until 2026-12-07 the x and g rings had one,
             # the residual ring until earlier that day: a stage stash more on every device). One
