@@ -151,3 +151,24 @@ def test_synthetic_in_range_and_learnable():
     assert 0.85 < follows.mean() < 0.95  # the rule holds except for ~10% noise
     with pytest.raises(ConfigError):
         SyntheticSource(vocab_size=1, seed=0)
+
+
+def test_errors_about_eval_paths_name_data_eval_paths(tmp_path, text_dir):
+    """A bad data.eval_paths entry was reported as data.paths (or data.bin_path), and eval_paths
+    holding every file of data.paths said "give non-empty files" (with a tokenizer: a numpy
+    ValueError): each is now one ConfigError naming data.eval_paths."""
+    nope = str(tmp_path / "nope")
+    cfg = DataConfig(source="text", paths=[str(text_dir)], eval_paths=[nope])
+    for split in ("train", "eval"):
+        with pytest.raises(ConfigError, match=r"^data\.eval_paths entry '.*nope' does not exist"):
+            build_source(cfg, 256, 0, split=split)
+    every = DataConfig(source="text", paths=[str(text_dir)], eval_paths=[str(text_dir / "sub"), str(text_dir)])
+    with pytest.raises(ConfigError, match=r"^data\.eval_paths=.* holds every file of data\.paths="):
+        build_source(every, 256, 0)
+    train = write_bin(tmp_path / "train.bin", np.arange(100) % 50, "uint16")
+    held = write_bin(tmp_path / "held.bin", np.full(100, 300), "uint16")
+    cfg = DataConfig(source="bin", bin_path=str(train), eval_paths=[str(held)])
+    with pytest.raises(ConfigError, match=r"^data\.eval_paths='.*held.bin' holds token id 300 >= model"):
+        build_source(cfg, 256, 0, split="eval")
+    with pytest.raises(ConfigError, match=r"data\.bin_path='.*' is a directory"):
+        build_source(DataConfig(source="bin", bin_path=str(tmp_path)), 256, 0)

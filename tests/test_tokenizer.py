@@ -188,3 +188,12 @@ def test_a_short_or_foreign_eval_split_fails_before_training(prepared, tmp_path)
     missing = DataConfig(source="bin", bin_path=str(out), eval_paths=[str(tmp_path / "none.bin")])
     with pytest.raises(ConfigError, match=r"data.eval_paths=.*none.bin' does not exist"):
         build_source(missing, VOCAB, 0, split="eval")
+
+
+def test_eval_paths_holding_every_file_is_one_clear_error(prepared, tmp_path):
+    """data.tokenizer with data.eval_paths covering all of data.paths: a numpy "need at least one
+    array to concatenate" from deep in the corpus; now a ConfigError naming data.eval_paths."""
+    tok, _ = prepared
+    cfg = DataConfig(source="text", tokenizer=str(tok), paths=FILES[:2], eval_paths=FILES[:2])
+    with pytest.raises(ConfigError, match=r"^data\.eval_paths=.* holds every file of data\.paths="):
+        build_source(cfg, VOCAB, 0)

@@ -42,7 +42,8 @@ def open_bin(path: str | Path, dtype: str = "uint16", what: str = "data.bin_path
     dt = _dtype(dtype)
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ConfigError(f"{what}={str(path)!r} does not exist; give a .bin token file")
+        why = "is a directory" if p.is_dir() else "does not exist"
+        raise ConfigError(f"{what}={str(path)!r} {why}; give a .bin token file")
     size = p.stat().st_size
     if size == 0:
         raise ConfigError(f"{what}={str(path)!r} is empty")
@@ -67,9 +68,10 @@ def check_ids(tokens: np.ndarray, vocab_size: int, where: str) -> None:
         )
 
 
-def check_head(tokens: np.ndarray, vocab_size: int, path: str) -> None:
-    """Check the first CHECK_TOKENS ids at open time, so a wrong file fails before compiling."""
-    check_ids(np.asarray(tokens[:CHECK_TOKENS]), vocab_size, f"data.bin_path={path!r}")
+def check_head(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    """Check the first CHECK_TOKENS ids at open time, so a wrong file fails before compiling
+    (`where`: the config field and its value, e.g. "data.bin_path='x.bin'")."""
+    check_ids(np.asarray(tokens[:CHECK_TOKENS]), vocab_size, where)
 
 
 def read_meta(path: str) -> dict:
@@ -93,7 +95,7 @@ def eos_id(path: str) -> int:
     return int(eos)
 
 
-def check_meta(path: str, dtype: str, vocab_size: int) -> None:
+def check_meta(path: str, dtype: str, vocab_size: int, what: str = "data.bin_path") -> None:
     """A .bin written by `jaxpar data prepare` names its dtype and vocabulary in `<path>.json`:
     a different data.bin_dtype, or a vocabulary above model.vocab_size, is a ConfigError."""
     meta = read_meta(path)
@@ -104,7 +106,7 @@ def check_meta(path: str, dtype: str, vocab_size: int) -> None:
         raise ConfigError(f"data.bin_dtype={dtype!r} but {path} holds {meta['dtype']} tokens "
                           f"({meta_path}); set data.bin_dtype={meta['dtype']}")
     if int(meta.get("vocab_size", 0)) > vocab_size:
-        raise ConfigError(f"data.bin_path={path!r} was tokenized with a vocabulary of "
+        raise ConfigError(f"{what}={path!r} was tokenized with a vocabulary of "
                           f"{meta['vocab_size']} ({meta.get('tokenizer')}), above model.vocab_size="
                           f"{vocab_size}; set model.vocab_size >= {meta['vocab_size']}")
 

@@ -99,7 +99,8 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "trai
         if frac:
             name += f" ({split} split, data.eval_fraction={frac})"
     if cfg.source == "text" and cfg.tokenizer:
-        tokens = tokenizer.tokenized_corpus(paths, cfg.tokenizer, vocab_size, frac, file_split, exclude)
+        tokens = tokenizer.tokenized_corpus(paths, cfg.tokenizer, vocab_size, frac, file_split, exclude,
+                                            field_name)
         name = f"{name} (data.tokenizer={cfg.tokenizer!r})"
         if cfg.packing:
             eos = tokenizer.Tokenizer(cfg.tokenizer).eos_id
@@ -111,7 +112,7 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "trai
                 f"model.vocab_size={vocab_size} is too small for data.source='text': byte tokens "
                 f"need vocab_size >= {text.VOCAB_SIZE}"
             )
-        return StreamSource(text.load_corpus(paths, None, frac, file_split, exclude), seed, name)
+        return StreamSource(text.load_corpus(paths, None, frac, file_split, exclude, field_name), seed, name)
     if cfg.source == "bin":
         if not cfg.bin_path:
             raise ConfigError("data.source='bin' needs data.bin_path (a .bin file of tokens)")
@@ -120,9 +121,9 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "trai
             path, what = cfg.eval_paths[0], "data.eval_paths"
         if what == "data.eval_paths":
             binfile.check_same_tokenizer(cfg.bin_path, path)
-        binfile.check_meta(path, cfg.bin_dtype, vocab_size)
+        binfile.check_meta(path, cfg.bin_dtype, vocab_size, what)
         tokens = binfile.open_bin(path, cfg.bin_dtype, what)
-        binfile.check_head(tokens, vocab_size, path)
+        binfile.check_head(tokens, vocab_size, f"{what}={path!r}")
         name = f"{what}={path!r}"
         if frac:
             tokens = split_mod.bin_split(tokens, path, frac, split)

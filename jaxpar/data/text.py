@@ -56,9 +56,9 @@ def stdlib_files() -> list[Path]:
     return _walk(root, (".py",))
 
 
-def corpus_files(paths: Sequence[str]) -> list[Path]:
+def corpus_files(paths: Sequence[str], what: str = "data.paths") -> list[Path]:
     """Expand `paths` (files, or directories searched for *.py, *.txt, *.md) in the given order;
-    empty means the standard library."""
+    empty means the standard library. `what`: the config field that named them (in errors)."""
     if not paths:
         return stdlib_files()
     files: list[Path] = []
@@ -70,26 +70,32 @@ def corpus_files(paths: Sequence[str]) -> list[Path]:
             found = _walk(path, TEXT_SUFFIXES)
             if not found:
                 raise ConfigError(
-                    f"data.paths entry {p!r} is a directory with no "
+                    f"{what} entry {p!r} is a directory with no "
                     f"{', '.join(TEXT_SUFFIXES)} files"
                 )
             files.extend(found)
         else:
             raise ConfigError(
-                f"data.paths entry {p!r} does not exist; give text files or directories"
+                f"{what} entry {p!r} does not exist; give text files or directories"
             )
     return files
 
 
 @functools.lru_cache(maxsize=2)
-def corpus_documents(paths: tuple[str, ...], max_bytes: int | None = None,
-                     exclude: tuple[str, ...] = ()) -> tuple[tuple[Path, bytes], ...]:
-    """(file, its bytes) for the corpus of `paths`, files in `exclude` (paths or dirs, expanded
-    the same way: data.eval_paths) left out, stopping once `max_bytes` are read. Cached per
-    process (the train and eval splits of one corpus read its files once)."""
-    skip = {f.resolve() for f in corpus_files(exclude)} if exclude else set()
+def corpus_documents(paths: tuple[str, ...], max_bytes: int | None = None, exclude: tuple[str, ...] = (),
+                     what: str = "data.paths") -> tuple[tuple[Path, bytes], ...]:
+    """(file, its bytes) for the corpus of `paths` (named by the config field `what`), files in
+    `exclude` (paths or dirs, expanded the same way: data.eval_paths) left out, stopping once
+    `max_bytes` are read. Cached per process (the train and eval splits of one corpus read its
+    files once). No file left after `exclude` is a ConfigError: nothing would be trained on."""
+    skip = {f.resolve() for f in corpus_files(exclude, "data.eval_paths")} if exclude else set()
+    files = corpus_files(paths, what)
+    if skip and all(f.resolve() in skip for f in files):
+        where = f"{what}={list(paths)!r}" if paths else "the stdlib corpus (data.paths empty)"
+        raise ConfigError(f"data.eval_paths={list(exclude)!r} holds every file of {where}: nothing is "
+                          f"left to train on; give data.paths other files than data.eval_paths")
     docs, total = [], 0
-    for f in corpus_files(paths):
+    for f in files:
         if f.resolve() in skip:
             continue
         docs.append((f, f.read_bytes()))
@@ -101,24 +107,24 @@ def corpus_documents(paths: tuple[str, ...], max_bytes: int | None = None,
 
 @functools.lru_cache(maxsize=4)
 def load_corpus(paths: tuple[str, ...] = (), max_bytes: int | None = None, eval_fraction: float = 0.0,
-                split: str = "train", exclude: tuple[str, ...] = ()) -> np.ndarray:
+                split: str = "train", exclude: tuple[str, ...] = (), what: str = "data.paths") -> np.ndarray:
     """All files' bytes joined by b"\n" into one read-only uint8 array, cached per process.
 
     `max_bytes` truncates the result (default: DEFAULT_MAX_BYTES for the stdlib corpus, no cap
     for user paths; corpora too big for memory belong in a .bin file). With `eval_fraction`, only
     the files of `split` (jaxpar/data/split.py: by a hash of each file's bytes); `exclude`: files
-    never read (the held-out data.eval_paths)."""
+    never read (the held-out data.eval_paths); `what`: the config field naming `paths`."""
     if max_bytes is None and not paths:
         max_bytes = DEFAULT_MAX_BYTES
-    docs = corpus_documents(paths, max_bytes, exclude)
+    docs = corpus_documents(paths, max_bytes, exclude, what)
     kept = split_mod.select(docs, eval_fraction, split, key=lambda d: d[1])
     if eval_fraction:
         split_mod.check_nonempty(len(kept), len(docs), eval_fraction, split,
-                                 f"data.paths={list(paths)!r}" if paths else "the stdlib corpus")
+                                 f"{what}={list(paths)!r}" if paths else "the stdlib corpus")
     blob = SEPARATOR.join(d for _, d in kept)
     if max_bytes is not None:
         blob = blob[:max_bytes]
     arr = np.frombuffer(blob, dtype=np.uint8)  # bytes-backed, hence read-only: safe to share
     if arr.size == 0:
-        raise ConfigError(f"data.paths={list(paths)!r} gives an empty corpus; give non-empty files")
+        raise ConfigError(f"{what}={list(paths)!r} gives an empty corpus; give non-empty files")
     return arr

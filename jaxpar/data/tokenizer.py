@@ -118,7 +118,8 @@ def trained_size(path: str | Path, asked: int) -> str:
 
 @functools.lru_cache(maxsize=4)
 def tokenized_corpus(paths: tuple[str, ...], tokenizer: str, model_vocab: int, eval_fraction: float = 0.0,
-                     split: str = "train", exclude: tuple[str, ...] = ()) -> np.ndarray:
+                     split: str = "train", exclude: tuple[str, ...] = (),
+                     what: str = "data.paths") -> np.ndarray:
     """data.tokenizer for the text source: the files of data.paths (default: the stdlib, capped
     as for bytes) tokenized in this process, one document per file, EOS after each; with
     `eval_fraction` only the files of `split`, `exclude`d files never read (as text.load_corpus).
@@ -126,11 +127,11 @@ def tokenized_corpus(paths: tuple[str, ...], tokenizer: str, model_vocab: int, e
     tok = Tokenizer(tokenizer)
     tok.check_vocab(model_vocab)
     budget = text.DEFAULT_MAX_BYTES if not paths else None
-    files = text.corpus_documents(paths, budget, exclude)
+    files = text.corpus_documents(paths, budget, exclude, what)
     kept = split_mod.select(files, eval_fraction, split, key=lambda d: d[1])
     if eval_fraction:
         split_mod.check_nonempty(len(kept), len(files), eval_fraction, split,
-                                 f"data.paths={list(paths)!r}" if paths else "the stdlib corpus")
+                                 f"{what}={list(paths)!r}" if paths else "the stdlib corpus")
     docs = [data.decode("utf-8", errors="replace") for _, data in kept]
     eos = np.array([tok.eos_id], np.int64)
     ids = np.concatenate([x for d in tok.encode_batch(docs) for x in (d, eos)])
