@@ -172,3 +172,20 @@ def test_errors_about_eval_paths_name_data_eval_paths(tmp_path, text_dir):
         build_source(cfg, 256, 0, split="eval")
     with pytest.raises(ConfigError, match=r"data\.bin_path='.*' is a directory"):
         build_source(DataConfig(source="bin", bin_path=str(tmp_path)), 256, 0)
+
+
+def test_a_uint32_file_read_as_uint16_is_one_clear_error(tmp_path):
+    """uint32 ids below 65536 read as uint16 are valid ids with a 0 after each: the run trained on
+    that silently. Without a .json naming the dtype, it is now a ConfigError naming bin_dtype;
+    uint16 files of the same ids (and a .json that says uint16) still open and read back."""
+    ids = np.random.default_rng(1).integers(1, 5000, size=2000)
+    wide = write_bin(tmp_path / "wide.bin", ids, "uint32")
+    assert np.array_equal(np.fromfile(wide, "<u2")[1::2], np.zeros(2000))  # what uint16 would train on
+    with pytest.raises(ConfigError, match=r"data\.bin_path='.*wide.bin' looks like uint32.*bin_dtype=uint32"):
+        build_source(DataConfig(source="bin", bin_path=str(wide)), 8192, 0)
+    src = build_source(DataConfig(source="bin", bin_path=str(wide), bin_dtype="uint32"), 8192, 0)
+    np.testing.assert_array_equal(src.tokens, ids)
+    narrow = write_bin(tmp_path / "narrow.bin", ids, "uint16")
+    np.testing.assert_array_equal(build_source(DataConfig(source="bin", bin_path=str(narrow)), 8192, 0).tokens, ids)
+    (tmp_path / "wide.bin.json").write_text('{"dtype": "uint16"}')  # the user says so: taken as given
+    build_source(DataConfig(source="bin", bin_path=str(wide)), 8192, 0)

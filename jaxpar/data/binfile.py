@@ -74,6 +74,23 @@ def check_head(tokens: np.ndarray, vocab_size: int, where: str) -> None:
     check_ids(np.asarray(tokens[:CHECK_TOKENS]), vocab_size, where)
 
 
+def check_width(tokens: np.ndarray, dtype: str, vocab_size: int, where: str) -> None:
+    """A .bin has no header, so uint32 ids read as uint16 come out as valid ids with a 0 (the
+    high half) after each: silently wrong training. Read as uint32, uint16 tokens a, b give the
+    id a + 65536 b, above any vocabulary unless b is (nearly) always 0; so a uint16 head whose
+    uint32 reading is all valid, nonzero ids is a uint32 file: a ConfigError. For files whose
+    dtype is not recorded (a `.json` with "dtype", as `jaxpar data prepare` writes, says it)."""
+    if dtype != "uint16":
+        return
+    head = np.asarray(tokens[:CHECK_TOKENS])
+    wide = np.ascontiguousarray(head[:len(head) - len(head) % 2]).view("<u4")
+    if wide.size >= 64 and wide.any() and int(wide.max()) < vocab_size:
+        raise ConfigError(f"{where} looks like uint32 tokens read as data.bin_dtype='uint16' (read as "
+                          f"uint32 its first {wide.size} ids are all below model.vocab_size={vocab_size}, "
+                          f"which uint16 tokens never are); set data.bin_dtype=uint32 (valid: "
+                          f"{', '.join(DTYPES)})")
+
+
 def read_meta(path: str) -> dict:
     """`<path>.json` (written by `jaxpar data prepare`), or {} when there is none."""
     meta_path = Path(str(path) + ".json")

@@ -124,6 +124,8 @@ def build_source(cfg: DataConfig, vocab_size: int, seed: int, split: str = "trai
         binfile.check_meta(path, cfg.bin_dtype, vocab_size, what)
         tokens = binfile.open_bin(path, cfg.bin_dtype, what)
         binfile.check_head(tokens, vocab_size, f"{what}={path!r}")
+        if "dtype" not in binfile.read_meta(path):
+            binfile.check_width(tokens, cfg.bin_dtype, vocab_size, f"{what}={path!r}")
         name = f"{what}={path!r}"
         if frac:
             tokens = split_mod.bin_split(tokens, path, frac, split)
