@@ -162,7 +162,8 @@ def test_errors_about_eval_paths_name_data_eval_paths(tmp_path, text_dir):
     for split in ("train", "eval"):
         with pytest.raises(ConfigError, match=r"^data\.eval_paths entry '.*nope' does not exist"):
             build_source(cfg, 256, 0, split=split)
-    every = DataConfig(source="text", paths=[str(text_dir)], eval_paths=[str(text_dir / "sub"), str(text_dir)])
+    every = DataConfig(source="text", paths=[str(text_dir)],
+                       eval_paths=[str(text_dir / "sub"), str(text_dir)])
     with pytest.raises(ConfigError, match=r"^data\.eval_paths=.* holds every file of data\.paths="):
         build_source(every, 256, 0)
     train = write_bin(tmp_path / "train.bin", np.arange(100) % 50, "uint16")
@@ -186,6 +187,26 @@ def test_a_uint32_file_read_as_uint16_is_one_clear_error(tmp_path):
     src = build_source(DataConfig(source="bin", bin_path=str(wide), bin_dtype="uint32"), 8192, 0)
     np.testing.assert_array_equal(src.tokens, ids)
     narrow = write_bin(tmp_path / "narrow.bin", ids, "uint16")
-    np.testing.assert_array_equal(build_source(DataConfig(source="bin", bin_path=str(narrow)), 8192, 0).tokens, ids)
+    src = build_source(DataConfig(source="bin", bin_path=str(narrow)), 8192, 0)
+    np.testing.assert_array_equal(src.tokens, ids)
     (tmp_path / "wide.bin.json").write_text('{"dtype": "uint16"}')  # the user says so: taken as given
     build_source(DataConfig(source="bin", bin_path=str(wide)), 8192, 0)
+
+
+def test_the_text_source_refuses_compressed_or_binary_files(tmp_path, text_dir):
+    """data.paths naming a .gz (or a binary file) trained on its raw bytes, silently, where `jaxpar
+    data prepare` refused the same file: now one ConfigError naming the field and the file."""
+    import gzip
+    body = (text_dir / "b.txt").read_bytes()
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(body))
+    (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02" * 100)
+    for name, why in [("c.txt.gz", "a .gz archive"), ("blob.txt", r"binary data \(NUL bytes\)")]:
+        good, bad = str(text_dir / "b.txt"), str(tmp_path / name)
+        for split, cfg in [("train", DataConfig(source="text", paths=[good, bad])),
+                           ("eval", DataConfig(source="text", paths=[good], eval_paths=[bad]))]:
+            field = "data.paths" if split == "train" else "data.eval_paths"
+            with pytest.raises(ConfigError, match=rf"^{field} entry '.*{name}' is {why}"):
+                build_source(cfg, 256, 0, split=split)
+    # the same text uncompressed is the corpus it was meant to be
+    (tmp_path / "c.txt").write_bytes(body)
+    assert bytes(load_corpus((str(tmp_path / "c.txt"),))) == body

@@ -29,12 +29,10 @@ import numpy as np
 from jaxpar.config import ConfigError
 from jaxpar.data import split as split_mod
 from jaxpar.data.binfile import DTYPES
+from jaxpar.data.text import HEAD_BYTES, not_text
 from jaxpar.data.tokenizer import Tokenizer, token_dtype
 
 CHUNK_CHARS = 1 << 20  # text per worker task
-# compressed or binary inputs read as text would be tokenized as garbage: refused by name / magic
-COMPRESSED = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd", ".bz2": b"BZh", ".xz": b"\xfd7zXZ",
-              ".zip": b"PK\x03\x04"}
 FORMAT = "jaxpar-tokens/1"
 
 _worker_tok: Tokenizer | None = None
@@ -102,15 +100,10 @@ def documents(path: Path, text_field: str = "text") -> Iterator[tuple[str, bytes
 def check_text_file(path: Path) -> None:
     """A ConfigError for a compressed or binary file given as a text document."""
     with open(path, "rb") as f:
-        head = f.read(4096)
-    packed = next((s for s, magic in COMPRESSED.items()
-                   if path.suffix.lower() == s or head.startswith(magic)), None)
-    if packed is not None:
-        raise ConfigError(f"{path}: a {packed} archive, read as text it would be tokenized as garbage; "
-                          f"decompress it first (inputs: text files, .jsonl / .ndjson, .parquet)")
-    if b"\0" in head:
-        raise ConfigError(f"{path}: binary data (NUL bytes), not a text document (inputs: text files, "
-                          f".jsonl / .ndjson, .parquet)")
+        why = not_text(path, f.read(HEAD_BYTES))
+    if why is not None:
+        raise ConfigError(f"{path}: {why}, not a text document: read as text it would be tokenized as "
+                          f"garbage; decompress it first (inputs: text files, .jsonl / .ndjson, .parquet)")
 
 
 def _chunks(files: Sequence[Path], text_field: str, bar, keys: list) -> Iterator[list[str]]:

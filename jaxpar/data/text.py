@@ -21,6 +21,10 @@ SEPARATOR = b"\n"
 TEXT_SUFFIXES = (".py", ".txt", ".md")
 DEFAULT_MAX_BYTES = 64 << 20  # the stdlib is ~30 MiB; the cap bounds memory and start-up time
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+# compressed or binary files read as text would train on garbage: refused by name / magic
+COMPRESSED = {".gz": b"\x1f\x8b", ".zst": b"\x28\xb5\x2f\xfd", ".bz2": b"BZh", ".xz": b"\xfd7zXZ",
+              ".zip": b"PK\x03\x04"}
+HEAD_BYTES = 4096  # what not_text looks at
 
 
 def encode(text: str) -> np.ndarray:
@@ -34,6 +38,19 @@ def decode(ids: Iterable[int] | np.ndarray) -> str:
     arr = np.asarray(ids, dtype=np.int64).reshape(-1)
     arr = np.where((arr >= 0) & (arr < VOCAB_SIZE), arr, 0xFF)  # 0xFF is never valid UTF-8
     return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def not_text(path: Path, head: bytes) -> str | None:
+    """Why the file `path`, whose first bytes are `head`, is no text document (a compressed
+    archive, by suffix or magic; binary data: NUL bytes), or None. The text source and `jaxpar
+    data prepare` refuse the same files."""
+    packed = next((s for s, magic in COMPRESSED.items()
+                   if path.suffix.lower() == s or head[:HEAD_BYTES].startswith(magic)), None)
+    if packed is not None:
+        return f"a {packed} archive"
+    if b"\0" in head[:HEAD_BYTES]:
+        return "binary data (NUL bytes)"
+    return None
 
 
 def _walk(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -99,6 +116,10 @@ def corpus_documents(paths: tuple[str, ...], max_bytes: int | None = None, exclu
         if f.resolve() in skip:
             continue
         docs.append((f, f.read_bytes()))
+        why = not_text(f, docs[-1][1])
+        if why is not None:
+            raise ConfigError(f"{what} entry {str(f)!r} is {why}, not text: read as text the run would "
+                              f"train on its raw bytes; decompress it, or give tokens as data.source=bin")
         total += len(docs[-1][1]) + len(SEPARATOR)
         if max_bytes is not None and total >= max_bytes:
             break
