@@ -241,7 +241,17 @@ def generate_text(src: str | Path, prompt: str, max_tokens: int = 200, temperatu
     stops = stop_ids(cfg.model, codec)
     context, context_from = context_of(cfg.model, cfg.train.seq_len)
     gen = Generator(cfg.model, params, context, DTYPES[cfg.train.param_dtype], where.cache, context_from)
-    ids, _ = gen.generate(prompt_ids(codec, cfg.model, prompt), max_tokens, temperature, top_p, seed, stops)
+    given = prompt_ids(codec, cfg.model, prompt)
+    ids, _ = gen.generate(given, max_tokens, temperature, top_p, seed, stops)
     if len(ids) and int(ids[-1]) in stops:
         ids = ids[:-1]
-    return prompt + codec.decode(ids)
+    return prompt + continuation(codec, given, ids)
+
+
+def continuation(codec: Codec, prompt: np.ndarray, new: np.ndarray) -> str:
+    """The text `new` ids add after `prompt`'s: decoded after the prompt, as part of the whole
+    sequence, since alone a tokenizer's decoder treats them as a text's start (a SentencePiece
+    one, Llama 2's or Mixtral's, strips the space their first token begins with)."""
+    before = codec.decode(prompt)
+    whole = codec.decode(np.concatenate([np.asarray(prompt, np.int64), np.asarray(new, np.int64)]))
+    return whole[len(before):] if whole.startswith(before) else codec.decode(new)

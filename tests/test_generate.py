@@ -196,3 +196,35 @@ def test_the_prompt_starts_with_the_models_bos():
     assert list(prompt_ids(codec, with_bos, "ab")) == [1, *encode("ab")]
     assert list(prompt_ids(codec, with_bos, "\x01b")) == list(encode("\x01b"))  # already first
     assert len(prompt_ids(codec, with_bos, "")) == 0  # empty stays empty: its own error
+
+
+def sentencepiece_like(path):
+    """A tokenizer.json decoding as Llama 2's and Mixtral's do: each word a '▁word' token, the
+    decoder fusing them and stripping the one space a text starts with. Vocab 256."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"▁w{i}": 3 + i for i in range(253)}}
+    tok = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Split("▁", "merged_with_next")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.save(str(path))
+    return path
+
+
+def test_the_continuation_is_decoded_after_the_prompt(tmp_path, devices, capsys):
+    """What generate prints is the whole sequence as the tokenizer decodes it (as transformers
+    shows a generation): with a SentencePiece-style decoder the continuation's first word keeps
+    the space before it."""
+    from jaxpar.data.tokenizer import Tokenizer
+    cfg = tiny_config("train.steps=1", "checkpoint.async_save=false", "mesh.data=1", "model.init_std=0.1")
+    params = save_initial_state(cfg, devices[:1], tmp_path / "run")
+    tok = Tokenizer(sentencepiece_like(tmp_path / "tokenizer.json"))
+    prompt = "w1 w2 w30"
+    ids = tok.encode(prompt)
+    new, _ = Generator(cfg.model, params, context=32).generate(ids, 6, temperature=0.0, eos_id=tok.eos_id)
+    new = new[:-1] if len(new) and new[-1] == tok.eos_id else new
+    assert len(new) > 1 and tok.decode(ids) == prompt
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run"), "--prompt", prompt, "--max-tokens", "6",
+                 "--temperature", "0", "--tokenizer", str(tmp_path / "tokenizer.json")]) == 0
+    assert capsys.readouterr().out == tok.decode([*ids, *new]) + "\n"
