@@ -64,6 +64,11 @@ class MoEConfig(Strict):
             )
         return self
 
+    @property
+    def gates_normalized(self) -> bool:
+        """Whether the top-k gates are renormalised to sum to 1 (normalize_gates, else top_k > 1)."""
+        return self.top_k > 1 if self.normalize_gates is None else self.normalize_gates
+
 
 class RopeScalingConfig(Strict):
     """Llama 3.1's RoPE frequency scaling (`type: llama3`): wavelengths longer than

@@ -120,8 +120,7 @@ class MoE(nnx.Module):
         logits = nn.project("bsd,de->bse", h.astype(jnp.float32), self.router[...].astype(jnp.float32))
         probs = jax.nn.softmax(logits, axis=-1)
         top_p, idx = jax.lax.top_k(probs, m.top_k)
-        normalize = m.top_k > 1 if m.normalize_gates is None else m.normalize_gates
-        gates = top_p / top_p.sum(-1, keepdims=True) if normalize else top_p
+        gates = top_p / top_p.sum(-1, keepdims=True) if m.gates_normalized else top_p
         return logits, probs, idx, gates
 
     def __call__(self, h: jax.Array, dispatch: str | None = None,

@@ -385,3 +385,24 @@ def test_from_hf_then_generate_uses_the_hf_tokenizer_eos_and_context(imported, t
     assert "longer than the model's context of 256 tokens (its model.max_positions)" in capsys.readouterr().err
     assert cli_main(["generate", str(out), "--prompt", "x", "--tokenizer", str(tmp_path / "none.json")]) == 2
     assert "--tokenizer=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("top_k, normalize", [(2, None), (1, None), (1, True)])
+def test_an_exported_moe_reads_back_as_the_same_model_or_is_refused(tmp_path, top_k, normalize):
+    """Read back as transformers reads it (Mixtral: the top-k gates always renormalised; the
+    fixtures' logits pin that reading), an exported MoE computes the logits it computed in jaxpar;
+    a model whose gates are not renormalised (top_k 1 by default) is refused instead."""
+    m = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, init_std=0.2,
+                    moe=dict(num_experts=4, top_k=top_k, every_n=1, dispatch="dropless", normalize_gates=normalize))
+    md = ModelDef.from_factory(llama_model_factory(make_config({"model": m.model_dump(mode="json")})))
+    params = md.init(0)
+    if top_k == 1 and normalize is None:
+        with pytest.raises(HFError, match=r"model.moe.normalize_gates.*top_k=1.*renormalises"):
+            write_hf(params, m, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        return
+    write_hf(params, m, tmp_path)
+    back = model_config(read_hf_config(tmp_path))
+    tokens = np.arange(24, dtype=np.int32).reshape(2, 12) * 5 % 64
+    np.testing.assert_allclose(forward(back, load_params(tmp_path, back), tokens), forward(m, params, tokens),
+                               atol=1e-5, rtol=0)

@@ -191,10 +191,14 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     """config.json for a jaxpar model (RoPE in both styles; max_position_embeddings and the
     bos/eos ids only where model.* knows them)."""
     moe = m.moe.num_experts > 0
-    if moe and (m.moe.every_n != 1 or m.moe.shared_expert or m.moe.expert_ffn_dim not in (None, m.ffn_dim)
-                or m.moe.normalize_gates is False):
+    if moe and (m.moe.every_n != 1 or m.moe.shared_expert or m.moe.expert_ffn_dim not in (None, m.ffn_dim)):
         raise HFError("model.moe: only Mixtral's shape exports (an MoE every layer, no shared expert, "
                       "expert_ffn_dim = ffn_dim, renormalised gates)")
+    if moe and not m.moe.gates_normalized:  # transformers' Mixtral always renormalises them
+        raise HFError(f"model.moe.normalize_gates={m.moe.normalize_gates} with top_k={m.moe.top_k}: "
+                      f"this model's gates are the router's probabilities, but Mixtral (the only MoE "
+                      f"export) renormalises its top-k gates to sum to 1, so transformers would compute "
+                      f"another model; only a model trained with normalize_gates=true exports")
     kind = "mixtral" if moe else "llama"
     rope: dict[str, Any] = {"rope_theta": m.rope_theta, "rope_type": "default"}
     if m.rope_scaling is not None:

@@ -72,9 +72,9 @@ def write_hf(params: dict, model_cfg, out_dir: str | Path, dtype: str = "float32
     from safetensors.numpy import save_file  # optional: only conversion needs it
     out = Path(out_dir)
     write = jax.process_index() == 0
+    cfg = {**hf_config(model_cfg), "dtype": dtype}  # a model it cannot represent: before any file
     if write:
         out.mkdir(parents=True, exist_ok=True)
-    cfg = {**hf_config(model_cfg), "dtype": dtype}
     plan = shard_plan(model_cfg, np.dtype(DTYPES[dtype]).itemsize, max_shard_bytes)
     n = max(plan.values()) + 1
     names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
