@@ -89,7 +89,10 @@ def prompt_ids(codec: Codec, model_cfg, prompt: str) -> np.ndarray:
     return ids
 
 
-def check_options(max_tokens: int, temperature: float, top_p: float) -> None:
+SEEDS = 2**32  # jax.random.key keeps a seed's low 32 bits (without x64): larger ones repeat smaller ones
+
+
+def check_options(max_tokens: int, temperature: float, top_p: float, seed: int = 0) -> None:
     """A ConfigError naming the one bad sampling option (NaN fails every check)."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ConfigError(f"generate: --temperature {temperature} must be a finite number >= 0 "
@@ -98,6 +101,8 @@ def check_options(max_tokens: int, temperature: float, top_p: float) -> None:
         raise ConfigError(f"generate: --top-p {top_p} must be in (0, 1] (1: the whole distribution)")
     if not max_tokens >= 0:
         raise ConfigError(f"generate: --max-tokens {max_tokens} must be >= 0")
+    if not 0 <= seed < SEEDS:
+        raise ConfigError(f"generate: --seed {seed} must be in [0, {SEEDS - 1}]")
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -179,7 +184,7 @@ class Generator:
         """(the new token ids, the float32 logits [prompt + new - 1, vocab] that predicted each
         position after the first). The prompt must fit the context; generation stops at `eos_id`
         (any of them, when several) or when the context is full."""
-        check_options(max_tokens, temperature, top_p)
+        check_options(max_tokens, temperature, top_p, seed)
         stops = set() if eos_id is None else {int(eos_id)} if np.ndim(eos_id) == 0 else set(map(int, eos_id))
         prompt = np.asarray(prompt, np.int32).reshape(-1)
         n = len(prompt)
@@ -235,7 +240,7 @@ def generate_text(src: str | Path, prompt: str, max_tokens: int = 200, temperatu
                   top_p: float = 0.95, seed: int = 0, devices: int = 1,
                   tokenizer: str | Path | None = None) -> str:
     """What `jaxpar generate` prints: the prompt and its continuation (without its end token)."""
-    check_options(max_tokens, temperature, top_p)  # before loading anything
+    check_options(max_tokens, temperature, top_p, seed)  # before loading anything
     cfg, params, _, where = load(src, devices)
     codec = codec_for(cfg, tokenizer)
     stops = stop_ids(cfg.model, codec)

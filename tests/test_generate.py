@@ -138,13 +138,15 @@ def test_generate_cli_reads_a_sharded_checkpoint(tmp_path, devices, capsys):
     ("--top-p", "0", r"--top-p 0.0 must be in \(0, 1\]"),
     ("--top-p", "nan", r"--top-p nan must be in \(0, 1\]"),
     ("--max-tokens", "-3", "--max-tokens -3 must be >= 0"),
+    ("--seed", "99999999999999999999", r"--seed 99999999999999999999 must be in \[0, 4294967295\]"),
+    ("--seed", "-1", r"--seed -1 must be in \[0, 4294967295\]"),
 ])
 def test_bad_sampling_option_is_named_alone(tmp_path, capsys, option, value, match):
     """Checked before any checkpoint is read; the message names only the bad option."""
     assert main(["generate", str(tmp_path / "nope"), "--prompt", "x", option, value]) == 2
     err = capsys.readouterr().err
     assert re.search(match, err) and "Traceback" not in err
-    assert not [o for o in ("--temperature", "--top-p", "--max-tokens") if o != option and o in err]
+    assert not [o for o in ("--temperature", "--top-p", "--max-tokens", "--seed") if o != option and o in err]
 
 
 def test_generate_uses_the_runs_tokenizer(tmp_path):
