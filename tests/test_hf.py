@@ -256,6 +256,13 @@ def test_bad_tensors(tmp_path):
     ("architectures", ["LlamaForSequenceClassification"],
      r"architectures = \['LlamaForSequenceClassification'\] is not supported .*\['LlamaForCausalLM'\]"),
     ("eos_token_id", "</s>", "eos_token_id = '</s>' is not a token id"),
+    ("num_attention_heads", 0, "num_attention_heads = 0: a positive integer is required"),
+    ("vocab_size", -320, "vocab_size = -320: a positive integer is required"),
+    # the model's own checks: their message, not pydantic's help link
+    ("num_key_value_heads", 3, r"cannot represent this model: n_heads=4 must be a multiple of n_kv_heads=3$"),
+    ("head_dim", 15, r"cannot represent this model: the head dim \(head_dim=15 = 15\) must be even"),
+    ("rms_norm_eps", -1.0, r"cannot represent this model: model.norm_eps = -1.0: Input should be greater than 0$"),
+    ("rms_norm_eps", "x", r"cannot represent this model: model.norm_eps = 'x': Input should be a valid number"),
 ])
 def test_unsupported_fields(tmp_path, field, value, match):
     hf = {**read_hf_config(FIXTURES / "llama_gqa"), field: value}

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from jaxpar.config import ConfigError, ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -141,18 +143,19 @@ def model_fields(hf: dict, where: str = "config.json", generation: dict | None =
     _architecture(hf, kind, where)
     _unsupported(hf, kind, where)
     for key in REQUIRED:
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
+        if not _is_id(hf.get(key)) or hf[key] == 0:
             raise HFError(f"{where}: {key} = {hf.get(key)!r}: a positive integer is required")
     hf = {**DEFAULTS[kind], **{k: v for k, v in hf.items() if v is not None}}
+    # the values go to ModelConfig as they are: its validation (model_config) names a wrong one
     theta, scaling = _rope(hf, where)
     fields: dict[str, Any] = dict(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"],
         n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"), ffn_dim=hf["intermediate_size"],
-        rope_theta=float(theta if theta is not None else DEFAULTS[kind]["rope_theta"]),
-        rope_scaling=scaling, norm_eps=float(hf["rms_norm_eps"]),
-        tie_embeddings=bool(hf["tie_word_embeddings"]), init_std=float(hf.get("initializer_range", 0.02)))
+        rope_theta=theta if theta is not None else DEFAULTS[kind]["rope_theta"],
+        rope_scaling=scaling, norm_eps=hf["rms_norm_eps"],
+        tie_embeddings=hf["tie_word_embeddings"], init_std=hf.get("initializer_range", 0.02))
     fields.update(_tokens(hf, generation or {}, where))
     if fields["head_dim"] == hf["hidden_size"] // hf["num_attention_heads"]:
         fields["head_dim"] = None  # jaxpar's default: dim // n_heads
@@ -161,7 +164,7 @@ def model_fields(hf: dict, where: str = "config.json", generation: dict | None =
         fields["moe"] = dict(num_experts=hf.get("num_local_experts", 8),
                              top_k=hf.get("num_experts_per_tok", 2), every_n=1, normalize_gates=True,
                              dispatch="dropless",
-                             load_balance_coef=float(hf.get("router_aux_loss_coef", 0.001)), z_loss_coef=0.0)
+                             load_balance_coef=hf.get("router_aux_loss_coef", 0.001), z_loss_coef=0.0)
     return fields
 
 
@@ -170,9 +173,10 @@ def model_config(hf: dict, where: str = "config.json", generation: dict | None =
     fields = model_fields(hf, where, generation)
     try:
         return ModelConfig.model_validate(fields)
-    except Exception as e:  # pydantic's ValidationError: name the HF file, keep the first line
-        raise HFError(f"{where}: jaxpar cannot represent this model: "
-                      f"{str(e).splitlines()[-1] if str(e) else e}") from None
+    except ValidationError as e:  # the HF file, and each check's own message (not pydantic's layout)
+        why = [(f"model.{'.'.join(map(str, x['loc']))} = {x.get('input')!r}: " if x["loc"] else "")
+               + x["msg"].removeprefix("Value error, ") for x in e.errors()]
+        raise HFError(f"{where}: jaxpar cannot represent this model: {'; '.join(why)}") from None
 
 
 def read_model_config(hf_dir: str | Path) -> ModelConfig:
