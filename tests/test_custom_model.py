@@ -167,3 +167,45 @@ def test_generate_on_a_custom_models_run_says_so(devices, tmp_path):
     with pytest.raises(CheckpointError, match=r"its params are not those of the model its saved config "
                                               r"describes: .*model_factory"):
         load(t.cfg.out_dir)
+
+
+class StackedBias(nnx.Module):
+    """Embed -> a scan over stacked layers, each a matrix plus a bias (a per-layer vector, stored
+    [layers, embed]) -> vocab head."""
+
+    def __init__(self, rngs, layers=2):
+        self.embed = param(rngs, (VOCAB, DIM), ("vocab", "embed"))
+        self.stack = nnx.Module()
+        self.stack.w = param(rngs, (layers, DIM, DIM), ("layers", "embed", "mlp"))
+        self.stack.b = param(rngs, (layers, DIM), ("layers", "mlp"), ones=True)
+        self.head = param(rngs, (DIM, VOCAB), ("embed", "vocab"))
+
+    def __call__(self, tokens):
+        from jaxpar.nn import scan_layers
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = scan_layers(self.stack, x, lambda layer, h: h + jnp.tanh(h @ layer.w[...] + layer.b[...]))
+        return x @ self.head[...]
+
+
+def test_a_stacked_layers_bias_takes_no_weight_decay(devices):
+    """README: weight decay is not on 1-D params. A bias stacked over layers ([layers, dim]) is one
+    vector per layer: its first AdamW step equals float64 numpy's without decay, the matrices'
+    with it (a stack's `layers` dim made the bias look 2-D, and it was decayed)."""
+    lr, wd = 0.1, 0.5
+    t = trainer(lambda rngs: StackedBias(rngs), "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
+                "sharding.zero_stage=0", f"optimizer.lr={lr}", f"optimizer.weight_decay={wd}",
+                "optimizer.warmup_steps=0", "optimizer.clip_norm=null", devices=devices[:1])
+    state = t.init_state()
+    p0 = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(state["params"]))
+    rows = np.random.default_rng(0).integers(0, VOCAB, (8, SEQ + 1))
+    state, metrics = t.make_step(return_grads=True)(state, t.put_batch(rows))
+    grads = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(metrics["grads"]))
+    eps = t.cfg.optimizer.eps
+
+    def adamw_first_step(p, g, decayed):  # bias-corrected moments of one step: g and g**2
+        return p - lr * (g / (np.abs(g) + eps) + (wd * p if decayed else 0.0))
+
+    got = jax.device_get(state["params"])["stack"]
+    for name, decayed in (("b", False), ("w", True)):
+        want = adamw_first_step(p0["stack"][name], grads["stack"][name], decayed)
+        np.testing.assert_allclose(got[name], want, rtol=1e-6, atol=1e-7, err_msg=name)

@@ -17,6 +17,13 @@ def schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def decays(axes: tuple) -> bool:
+    """Whether a param with these logical axes takes weight decay: a matrix of each layer, not a
+    norm, bias or vector. A stack's leading `layers` dim (jaxpar.nn.scan_layers) does not count:
+    a layer's bias decays stacked or not."""
+    per_layer = axes[1:] if axes[:1] == ("layers",) else axes
+    return len(per_layer) >= 2 and "norm" not in axes and "bias" not in axes
+
+
 def decay_mask(axes_tree: dict) -> dict:
-    return jax.tree.map(lambda ax: len(ax) >= 2 and "norm" not in ax and "bias" not in ax,
-                        axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(decays, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
