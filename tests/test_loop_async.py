@@ -466,3 +466,27 @@ def test_host_memory_keep_stops_per_step_page_faults(mode):
         assert got["kept"] and got["after"] < 0.5 * pages, got
     else:
         assert not got["kept"] and got["after"] > 0.8 * pages, got
+
+
+def test_the_first_steps_time_leaves_out_the_compile(tr, monkeypatch):
+    """Trainer.fit on an uncompiled trainer compiles first: that time is no step's. Step 1's
+    step_time_s and tokens_per_s were the compile's (a fake clock: compile takes 1000 s of it)."""
+    compiled, real, skew = tr.compiled, time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + skew[0])
+
+    def compile():
+        skew[0] += 1000.0
+        tr.compiled = compiled
+        return compiled
+
+    monkeypatch.setattr(tr, "compile", compile)
+    tr.compiled = None
+    try:
+        _, history = tr.fit(progress=False)
+    finally:
+        tr.compiled = compiled
+    first = history[0]
+    t = tr.cfg.train
+    assert first["step"] == 1 and skew[0] == 1000.0
+    assert first["step_time_s"] < 100, first
+    assert first["tokens_per_s"] == pytest.approx(t.global_batch * t.seq_len / first["step_time_s"])

@@ -390,8 +390,8 @@ class Trainer:
         out_dir = Path(out_dir) if out_dir is not None else None
         self._open_events(out_dir)
         ckpt, state, start_step = self._begin(state, start_step, out_dir)
+        step_fn = self.compiled or self.compile()  # before the log's clock starts: no step's time
         log = StepLog(self, out_dir, start_step, t.progress if progress is None else progress)
-        step_fn = self.compiled or self.compile()
         barrier("fit start")  # processes start their collectives together
         watch = NonfiniteWatch(t.max_nonfinite if t.skip_nonfinite else None)
         done = step = start_step  # steps completed
