@@ -298,6 +298,18 @@ class OptimizerConfig(Strict):
                 f"least one step of it: use onebit_warmup_steps >= 1 (default 100), not {v}")
         return v
 
+    @model_validator(mode="after")
+    def _decay_after_warmup(self) -> "OptimizerConfig":
+        """decay_steps counts the warmup (the cosine runs from warmup_steps to decay_steps): one
+        at or below warmup_steps has no cosine, and was silently a drop to the minimum."""
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"optimizer.decay_steps={self.decay_steps} is not after optimizer.warmup_steps="
+                f"{self.warmup_steps}: decay_steps counts the warmup (the cosine runs from step "
+                f"warmup_steps to decay_steps); use decay_steps > {self.warmup_steps}, or null "
+                f"(train.steps)")
+        return self
+
 
 class GradientCompressionConfig(Strict):
     """Compression of the data-parallel gradient reduction (jaxpar/collectives).

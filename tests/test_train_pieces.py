@@ -68,3 +68,17 @@ def test_params_placed_by_plan(devices):
     # same seed -> same initial params on any layout
     ref = Trainer(tiny_config("mesh.data=1"), devices=devices[:1]).init_state()
     np.testing.assert_array_equal(np.asarray(wq), np.asarray(ref["params"]["layers"]["wq"]))
+
+
+@pytest.mark.parametrize("warmup,decay", [(5, 3), (5, 5)])
+def test_decay_steps_within_the_warmup_is_one_clear_error(warmup, decay):
+    """decay_steps counts the warmup: at or below warmup_steps there is no cosine (the schedule
+    silently stayed at the peak, then fell to min_lr in one step). One error naming both fields."""
+    with pytest.raises(ConfigError, match=rf"optimizer.decay_steps={decay} .*warmup_steps={warmup}.*"
+                                          rf"decay_steps > {warmup}"):
+        make_config({}, [f"optimizer.warmup_steps={warmup}", f"optimizer.decay_steps={decay}"])
+    cfg = make_config({}, ["optimizer.lr=1.0", f"optimizer.warmup_steps={warmup}",
+                           f"optimizer.decay_steps={warmup + 4}", "optimizer.min_lr_ratio=0.1"])
+    sched = schedule(cfg.optimizer, total_steps=100)  # decay_steps set: train.steps plays no part
+    want = [0.1 + 0.45 * (1 + math.cos(math.pi * k / 4)) for k in range(5)] + [0.1] * 3
+    assert [float(sched(s)) for s in range(warmup, warmup + 8)] == pytest.approx(want, rel=1e-6)
