@@ -2,7 +2,9 @@
 planning, metrics truncation, the non-finite guard. In process (the subprocess tests that kill
 runs are in test_checkpoint_resume.py)."""
 import json
+import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -586,3 +588,32 @@ def test_third_signal_exits_without_a_traceback():
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert r.returncode == 128 + 15 and "Traceback" not in r.stderr, r.stderr
     assert "SIGTERM again: still finishing" in r.stderr and "SIGTERM a third time" in r.stderr, r.stderr
+
+
+def test_resume_notices_a_changed_learning_rate_schedule(tmp_path, devices):
+    """A resume with a longer train.steps (decay_steps null) stretches the cosine: the next step's
+    lr jumps from the end of the old schedule back up, silently. Named with the lr of the next
+    step from the analytic warmup + cosine; train.steps with decay_steps fixed changes nothing."""
+    lr, steps, step = 1e-2, 3, 3
+
+    def cosine(s, total):  # warmup 0 (tiny_config), min_lr_ratio 0.1
+        return 0.1 * lr + 0.45 * lr * (1 + math.cos(math.pi * min(s / total, 1)))
+
+    cfg = tiny_config(f"run_dir={tmp_path}", "name=r", f"optimizer.lr={lr}", f"train.steps={steps}")
+    mgr = ck.Checkpointer(ck.checkpoint_dir(cfg))
+    _, state = _state(devices)
+    mgr.save(step, state, {"devices": 8}, cfg.model_dump(mode="json"))
+    mgr.close()
+    plan = ck.plan_resume(tiny_config(f"run_dir={tmp_path}", "name=r", f"optimizer.lr={lr}", "train.steps=10"), 8)
+    assert len(plan.notices) == 1, plan.notices
+    got = re.fullmatch(r"the learning-rate schedule \(train.steps 3 -> 10\): lr of step 4 (\S+) -> (\S+)",
+                       plan.notices[0])
+    assert got, plan.notices
+    assert float(got[1]) == pytest.approx(cosine(step, steps), rel=1e-3)
+    assert float(got[2]) == pytest.approx(cosine(step, 10), rel=1e-3)
+    assert ck.plan_resume(cfg, 8).notices == []
+    fixed = [f"run_dir={tmp_path}", "name=r2", f"optimizer.lr={lr}", "optimizer.decay_steps=20"]
+    mgr = ck.Checkpointer(ck.checkpoint_dir(tiny_config(*fixed)))
+    mgr.save(step, state, {"devices": 8}, tiny_config(*fixed, "train.steps=3").model_dump(mode="json"))
+    mgr.close()
+    assert ck.plan_resume(tiny_config(*fixed, "train.steps=10"), 8).notices == []

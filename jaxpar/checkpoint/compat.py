@@ -69,6 +69,37 @@ def resume_notices(saved: dict, now: dict) -> list[str]:
             for f, a, b in changed_fields(saved, now, NOTICE_FIELDS)]
 
 
+SCHEDULE_FIELDS = ("optimizer.lr", "optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.min_lr_ratio",
+                   "train.steps")
+
+
+def schedule_notices(saved: dict, now: Any, step: int) -> list[str]:
+    """One line when the learning rate of the steps still to run differs from the checkpoint's
+    schedule (a changed lr, warmup, decay, or train.steps with decay_steps null: the cosine is
+    stretched): legitimate, but it moves the lr of the very next step (a jump up once extended)."""
+    from jaxpar.config import OptimizerConfig
+    from jaxpar.train.decay import schedule
+
+    changed = changed_fields(saved, now.model_dump(mode="json"), SCHEDULE_FIELDS)
+    if not changed:
+        return []
+    try:  # the checkpoint's schedule: its optimizer fields over today's (an older config lacks some)
+        then = {k: v for k, v in saved["optimizer"].items() if k in OptimizerConfig.model_fields}
+        then_opt = OptimizerConfig.model_validate({**now.optimizer.model_dump(), **then})
+        then_lr = schedule(then_opt, int(saved["train"]["steps"]))
+    except Exception:  # noqa: BLE001 - unreadable: the field notice alone
+        then_lr = None
+    now_lr = schedule(now.optimizer, now.train.steps)
+    ahead = range(step, max(step + 1, now.train.steps))  # the optimizer counts of the steps to run
+    tol = 1e-7 * now.optimizer.lr
+    if then_lr is not None and all(abs(float(then_lr(c)) - float(now_lr(c))) <= tol for c in ahead):
+        return []  # e.g. train.steps with decay_steps set: the same learning rates
+    what = ", ".join(f"{f} {a} -> {b}" for f, a, b in changed)
+    at = (f": lr of step {step + 1} {float(then_lr(step)):.4g} -> {float(now_lr(step)):.4g}"
+          if then_lr is not None else "")
+    return [f"the learning-rate schedule ({what}){at}"]
+
+
 def _fmt(shape, dtype) -> str:
     return f"{dtype}[{'x'.join(map(str, shape))}]"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 
 from jaxpar.checkpoint.agreement import agree, attempt, steps_anywhere
-from jaxpar.checkpoint.compat import field_differences, resume_notices
+from jaxpar.checkpoint.compat import field_differences, resume_notices, schedule_notices
 from jaxpar.checkpoint.errors import CheckpointError, print_warning
 from jaxpar.checkpoint.files import checkpoint_dir, list_steps, locate, read_config, read_meta
 from jaxpar.checkpoint.layout import adapt_layout
@@ -115,7 +115,7 @@ def plan_resume(cfg: Config, n_devices: int | None = None, own_root: Path | None
     if adapt and cfg.checkpoint.elastic and int(meta.get("devices", n)) != n:
         cfg, adapted = adapt_layout(cfg, meta, n)
         changes += adapted
-    notices = resume_notices(saved_cfg, cfg.model_dump(mode="json"))
+    notices = resume_notices(saved_cfg, cfg.model_dump(mode="json")) + schedule_notices(saved_cfg, cfg, s)
     return ResumePlan(cfg, root, step, meta, changes, notices)
 
 
