@@ -69,8 +69,8 @@ def resume_notices(saved: dict, now: dict) -> list[str]:
             for f, a, b in changed_fields(saved, now, NOTICE_FIELDS)]
 
 
-SCHEDULE_FIELDS = ("optimizer.lr", "optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.min_lr_ratio",
-                   "train.steps")
+SCHEDULE_FIELDS = ("optimizer.lr", "optimizer.warmup_steps", "optimizer.decay_steps",
+                   "optimizer.min_lr_ratio", "train.steps")
 
 
 def schedule_notices(saved: dict, now: Any, step: int) -> list[str]:
