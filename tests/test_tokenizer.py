@@ -83,6 +83,19 @@ def test_text_source_with_tokenizer(prepared):
             assert tok.decode(r) in corpus
 
 
+def test_a_special_tokens_text_inside_a_document_is_text(prepared):
+    """A document that quotes the end-of-text token's string keeps it as text: encoded as the
+    token it would end the document there (a packed row's boundary, the loss's mask); the
+    reference is the document itself, which its ids must decode back to."""
+    tok = Tokenizer(prepared[0])
+    name = tok.tok.id_to_token(tok.eos_id)
+    doc = f"x = 1\nprint('{name}')\n"
+    (ids,) = tok.encode_batch([doc])
+    assert tok.eos_id not in ids.tolist()
+    assert tok.decode(ids) == doc
+    assert tok.eos_id in tok.encode(doc).tolist()  # a prompt's special tokens are still parsed
+
+
 def test_vocab_mismatch_is_one_clear_error(prepared):
     tok, out = prepared
     with pytest.raises(ConfigError, match=rf"vocab_size {VOCAB}, above model.vocab_size=256"):

@@ -47,7 +47,17 @@ class Tokenizer:
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        out = self.tok.encode_batch(list(texts), add_special_tokens=False)
+        """A corpus's documents: a special token's text inside one (a file quoting
+        "<|endoftext|>") is encoded as the text it is, not as the token, or it would end the
+        document there (packing's boundaries and loss mask follow the end-of-text ids)."""
+        previous = getattr(self.tok, "encode_special_tokens", None)
+        if previous is not None:
+            self.tok.encode_special_tokens = True
+        try:
+            out = self.tok.encode_batch(list(texts), add_special_tokens=False)
+        finally:
+            if previous is not None:
+                self.tok.encode_special_tokens = previous
         return [np.asarray(e.ids, dtype=np.int64) for e in out]
 
     def decode(self, ids: Iterable[int]) -> str:
