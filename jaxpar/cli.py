@@ -9,6 +9,7 @@ User mistakes (bad config, bad checkpoint) print one clear message and exit 2, n
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -107,6 +108,17 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers separated by commas, "
                                          "e.g. 4096,8192")
     return values
+
+
+def _positive_float(text: str) -> float:
+    """A finite number > 0 (argparse reports the error with the option's name)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number > 0, e.g. 5")
+    return value
 
 
 def _name_list(text: str) -> list[str]:
@@ -317,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("dst", help="from-hf: a new checkpoints dir; to-hf: a new Hugging Face model dir")
     cv.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="to-hf: the safetensors dtype")
-    cv.add_argument("--max-shard-gb", type=float, default=5.0, help="to-hf: split files above this size")
+    cv.add_argument("--max-shard-gb", type=_positive_float, default=5.0,
+                    help="to-hf: split files above this size")
     cv.set_defaults(fn=_convert)
     ge = sub.add_parser("generate", help="sample text from a checkpoint (KV-cached decoding)")
     ge.add_argument("src", metavar="RUN_OR_CKPT", help="a run dir, its checkpoints dir or one step dir")

@@ -277,6 +277,17 @@ def test_sliding_window_and_cli_message(tmp_path, capsys):
     assert "sliding_window = 4096 is not supported" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("size", ["0", "-1", "nan", "inf", "big"])
+def test_a_max_shard_size_that_is_no_size_is_one_error(tmp_path, capsys, size):
+    """--max-shard-gb 0 or below wrote one file per tensor, NaN crashed after loading the run:
+    refused by argparse, naming the option, before anything is read."""
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["convert", "to-hf", str(tmp_path / "nothing"), str(tmp_path / "out"), "--max-shard-gb", size])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--max-shard-gb" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_tied_embeddings_and_index_that_leaves_the_dir(imported, tmp_path):
     m, params = imported["llama_gqa"]
     tied = m.model_copy(update={"tie_embeddings": True})
