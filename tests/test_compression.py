@@ -314,6 +314,22 @@ def test_config_errors():
         tiny_config("gradient_compression.method=int8", "gradient_compression.axes=[dat]")
 
 
+def test_powersgd_rank_that_compresses_no_matrix_is_an_error(devices):
+    """A rank at which no gradient matrix wins used to run every gradient in float32 while the
+    sync said powersgd. The largest rank the error offers is checked against worth_it itself."""
+    cfg = lambda r: tiny_config("mesh.data=8", "gradient_compression.method=powersgd",
+                                f"gradient_compression.rank={r}")
+    with pytest.raises(ConfigError, match=r"gradient_compression.rank=100000 compresses no gradient "
+                                          r"matrix.*use a rank <= (\d+)") as err:
+        Trainer(cfg(100000), devices=devices, log=lambda s: None)
+    best = int(re.search(r"rank <= (\d+)", str(err.value)).group(1))
+    sync = Trainer(cfg(best), devices=devices, log=lambda s: None).spec.sync
+    kept = [(m, n) for b in sync.buckets for _, m, n in b.matrices.values()]
+    assert kept and all(PowerSGD(rank=best).worth_it(m, n) for m, n in kept)
+    with pytest.raises(ConfigError, match=f"rank={best + 1} compresses no gradient matrix"):
+        Trainer(cfg(best + 1), devices=devices, log=lambda s: None)
+
+
 ZERO1 = ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=1"]
 
 

@@ -181,6 +181,31 @@ class GradientReducer(GradientSync):
                 continue
             leaves = [i for i in after if rests[i] == rest and (self.zero1[i] is not None) == scattered]
             self.buckets.append(self._bucket(rest, leaves, scattered))
+        if isinstance(self.comp, PowerSGD):
+            self._check_rank()
+
+    def _check_rank(self) -> None:
+        """A PowerSGD rank at which no gradient matrix wins falls back to float32 for every one:
+        the run would be uncompressed while describe() says powersgd (one error instead)."""
+        mats = []
+        for b in self.buckets:
+            if b.compressed is None:
+                continue
+            if b.matrices:
+                return
+            for i in b.leaves:
+                shape = self.local_shapes[i][1:] if self.layered[i] else self.local_shapes[i]
+                k = matrix_split(shape)
+                if k is not None:
+                    mats.append((math.prod(shape[:k]), math.prod(shape[k:])))
+        if not mats:  # nothing compressed, or no matrices: norm scales only
+            return
+        best = max(min(min(m, n), -(-m * n // (m + n))) - 1 for m, n in mats)
+        hint = f"use a rank <= {best}" if best >= 1 else "no rank compresses these matrices"
+        raise ConfigError(
+            f"gradient_compression.rank={self.comp.rank} compresses no gradient matrix: PowerSGD sends "
+            f"a m x n gradient as (m + n) * rank floats, which wins only for rank < min(m, n) and "
+            f"(m + n) * rank < m * n, so every gradient would be all-reduced in float32; {hint}")
 
     def _zero1_dim(self, entries, opt: P, local: tuple[int, ...]) -> int | None:
         """The dim a leaf's gradient is reduce-scattered on over fsdp at ZeRO-1 (where its
