@@ -330,6 +330,16 @@ def test_powersgd_rank_that_compresses_no_matrix_is_an_error(devices):
         Trainer(cfg(best + 1), devices=devices, log=lambda s: None)
 
 
+@pytest.mark.parametrize("field,pattern", [
+    ("gradient_compression.warmup_steps=3", "gradient_compression.warmup_steps=3 does not apply"),
+    ("gradient_compression.error_feedback=false", "error_feedback=false does not apply")])
+def test_onebit_adam_refuses_compression_fields_it_would_ignore(field, pattern, devices):
+    """1-bit Adam's phases are the optimizer's (onebit_warmup_steps) and its momentum exchange
+    always keeps residuals: these fields used to be accepted and read by nothing."""
+    with pytest.raises(ConfigError, match=pattern):
+        Trainer(tiny_config("mesh.data=8", *ONEBIT_ADAM, field), devices=devices, log=lambda s: None)
+
+
 ZERO1 = ["mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=1"]
 
 

@@ -93,6 +93,16 @@ class OneBitAdamReducer(GradientReducer):
             raise ConfigError(
                 f"optimizer.name=onebit_adam compresses the momentum itself (1-bit); drop "
                 f"gradient_compression.method={compression.method!r}")
+        # the phase is the optimizer's (reduce() below): these two fields would be read by nothing
+        if compression.warmup_steps:
+            raise ConfigError(
+                f"optimizer.name=onebit_adam runs float32 Adam for optimizer.onebit_warmup_steps="
+                f"{opt_cfg.onebit_warmup_steps} before compressing; gradient_compression.warmup_steps="
+                f"{compression.warmup_steps} does not apply: drop it (set onebit_warmup_steps instead)")
+        if not compression.error_feedback:
+            raise ConfigError(
+                "optimizer.name=onebit_adam always compresses the momentum with error feedback (1-bit "
+                "Adam, Tang et al.); gradient_compression.error_feedback=false does not apply: drop it")
         comp = OneBit(block_size=compression.block_size)
         super().__init__(compression, plan, model, grad_specs, compressor=comp, wire_dtype=wire_dtype)
         self.warmup, self.b1 = opt_cfg.onebit_warmup_steps, opt_cfg.b1
