@@ -314,6 +314,20 @@ def test_config_errors():
         tiny_config("gradient_compression.method=int8", "gradient_compression.axes=[dat]")
 
 
+def test_compression_axes_naming_an_axis_no_gradient_is_summed_over_is_an_error(devices):
+    """axes=[tensor] (tensor=2) compressed nothing: every gradient went through the float32 psum
+    under the method's name. Naming data beside it compresses data, as axes=[data] alone does."""
+    cfg = lambda axes: tiny_config("mesh.data=4", "mesh.tensor=2", "gradient_compression.method=int8",
+                                   f"gradient_compression.axes={axes}")
+    with pytest.raises(ConfigError, match=r"axes=\['tensor'\]: no gradient is summed over tensor "
+                                          r"\(size 2\).*summed over: data"):
+        Trainer(cfg("[tensor]"), devices=devices, log=lambda s: None)
+    with pytest.raises(ConfigError, match="no gradient is summed over tensor"):
+        Trainer(cfg("[data,tensor]"), devices=devices, log=lambda s: None)
+    sync = Trainer(cfg("[data]"), devices=devices, log=lambda s: None).spec.sync
+    assert "int8 over data" in sync.describe()
+
+
 def test_powersgd_rank_that_compresses_no_matrix_is_an_error(devices):
     """A rank at which no gradient matrix wins used to run every gradient in float32 while the
     sync said powersgd. The largest rank the error offers is checked against worth_it itself."""

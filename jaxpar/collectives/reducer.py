@@ -148,6 +148,14 @@ class GradientReducer(GradientSync):
         # is manual over them; the per-device state has one row per device of all of them
         self.sum_axes = (*self.batch_axes, *(a for a in ("pipeline", "context") if a in self.manual))
         self.n_devices = math.prod(sizes[a] for a in self.sum_axes)
+        # an axis that splits work but sums no gradient (tensor) has nothing to compress: naming it
+        # alone left every reduction in float32 under the method's name
+        idle = [a for a in cfg.axes or () if sizes.get(a, 1) > 1 and a not in self.sum_axes]
+        if idle:
+            raise ConfigError(
+                f"gradient_compression.axes={list(cfg.axes)}: no gradient is summed over "
+                f"{', '.join(f'{a} (size {sizes[a]})' for a in idle)}, so there is nothing to compress "
+                f"there; gradients are summed over: {', '.join(self.sum_axes) or 'no axis'}")
         flat, self.treedef = jax.tree_util.tree_flatten_with_path(grad_specs, is_leaf=is_spec)
         self.paths = [".".join(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
         specs = [s for _, s in flat]
