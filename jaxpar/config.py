@@ -840,6 +840,34 @@ def _format_errors(err: ValidationError, cls: type[BaseModel]) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
+class StrictYamlLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last one,
+    so a second `train:` section silently replaced the whole first one. Merge keys (`<<`) stay
+    overridable by the mapping's own keys, as YAML means them."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                continue
+            if first is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r} (first given on line {first.line + 1}); give each key "
+                    f"once", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, but a key given twice in a mapping is a yaml.YAMLError (StrictYamlLoader)."""
+    return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
@@ -860,7 +888,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
             raise ConfigError(f"override {item!r} must look like a.b=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = load_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(f"override {item!r}: {raw!r} is not a YAML value ({first}); a list "
@@ -891,7 +919,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                         f"configs/quickstart.yaml {path}")
             raise ConfigError(f"config file {str(p)!r} not found{hint}")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = load_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):

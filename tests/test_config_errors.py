@@ -210,3 +210,19 @@ def test_profile_window_after_the_last_step_is_an_error():
         make_config({}, ["train.steps=4", "profile.steps=[10,12]"])
     assert make_config({}, ["train.steps=4", "profile.steps=[4,6]"]).profile.steps == [4, 6]
     assert make_config({}, ["train.steps=4"]).profile.steps is None
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` section replaced the first whole
+    (train.steps silently back to its default)."""
+    p = tmp_path / "dup.yaml"
+    p.write_text("train:\n  steps: 5\nmodel:\n  dim: 64\ntrain:\n  seq_len: 32\n")
+    with pytest.raises(ConfigError, match=r"(?s)dup.yaml.*duplicate key .train. \(first given on line 1\).*line 5"):
+        load_config(p)
+    p.write_text("train:\n  steps: 5\n  steps: 6\n")
+    with pytest.raises(ConfigError, match="duplicate key 'steps'"):
+        load_config(p)
+    # a merge key (<<) is overridden by the mapping's own keys on purpose: not a duplicate
+    p.write_text("train:\n  <<: {steps: 5, seq_len: 32}\n  steps: 6\n")
+    cfg = load_config(p)
+    assert (cfg.train.steps, cfg.train.seq_len) == (6, 32)

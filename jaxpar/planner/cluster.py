@@ -17,7 +17,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, load_yaml
 
 PRESET_DIR = Path(__file__).parent / "clusters"
 GIB = 2**30
@@ -128,7 +128,7 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
         raise ConfigError(f"cluster {str(name_or_path)!r}: not a preset ({', '.join(presets())}) "
                           "nor a YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"cluster file {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):
