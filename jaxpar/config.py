@@ -911,6 +911,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory; give a YAML file, e.g. "
+                              f"configs/quickstart.yaml")
         if not p.is_file():
             hint = ""
             if "=" in str(path) and not str(path).endswith((".yaml", ".yml")):
@@ -919,7 +922,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                         f"configs/quickstart.yaml {path}")
             raise ConfigError(f"config file {str(p)!r} not found{hint}")
         try:
-            raw = load_yaml(p.read_text()) or {}
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}): a config is "
+                              f"a YAML text file") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+        try:
+            raw = load_yaml(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):

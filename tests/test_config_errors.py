@@ -226,3 +226,15 @@ def test_a_key_given_twice_in_a_yaml_file_is_an_error(tmp_path):
     p.write_text("train:\n  <<: {steps: 5, seq_len: 32}\n  steps: 6\n")
     cfg = load_config(p)
     assert (cfg.train.steps, cfg.train.seq_len) == (6, 32)
+
+
+def test_a_config_that_is_a_directory_or_not_text_is_one_error(tmp_path, capsys):
+    """A directory was reported 'not found', a binary file a UnicodeDecodeError traceback."""
+    assert main(["train", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    p = tmp_path / "c.yaml"
+    text = b"train:\n  steps: 3\n"
+    p.write_bytes(text + b"\xff\xfe")
+    assert main(["train", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(p)!r} is not UTF-8 text (byte {len(text)})" in err and "Traceback" not in err
