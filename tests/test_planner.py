@@ -484,6 +484,13 @@ def test_plan_cli(capsys):
     assert "--layout 'mesh.cores' is not a layout setting" in capsys.readouterr().err
 
 
+def test_plan_layout_value_that_is_not_yaml_is_one_error(capsys):
+    """--layout mesh.tensor=[1 ended in a yaml ScannerError traceback."""
+    assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--layout", "mesh.tensor=[1"]) == 2
+    err = capsys.readouterr().err
+    assert "--layout 'mesh.tensor=[1': '[1' is not a YAML value" in err and "Traceback" not in err
+
+
 def test_plan_cli_rejects_bad_counts(capsys):
     """--devices 0 was taken as not given, --devices -2 said "no mesh of -2 devices" (rc 1), --top 0
     printed nothing and --top -1 all but one: each is one error naming the option, exit 2."""

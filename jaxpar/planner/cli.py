@@ -45,7 +45,11 @@ def parse_layout(items: list[str]) -> tuple[dict[str, int], dict]:
             if "=" not in part:
                 raise ConfigError(f"--layout {part!r}: expected key=value, e.g. mesh.tensor=8")
             key, raw = part.split("=", 1)
-            value = yaml.safe_load(raw)
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                raise ConfigError(f"--layout {part!r}: {raw!r} is not a YAML value; write key=value, "
+                                  f"e.g. mesh.tensor=8") from None
             if key.startswith("mesh.") and key[5:] in MESH_AXES:
                 if not isinstance(value, int) or value < 1:
                     raise ConfigError(f"--layout {key}={raw!r}: a mesh size must be a positive integer")
