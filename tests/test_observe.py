@@ -1,5 +1,6 @@
 """Observability callbacks on a real (tiny) training run: Prometheus endpoint, profiler window,
 hang/straggler watchdog. One compiled trainer is shared; each test runs a few steps of it."""
+import contextlib
 import json
 import logging
 import re
@@ -277,6 +278,31 @@ def test_watchdog_abort_and_exemptions():
     record_checkpoint_save(0.5)
     time.sleep(0.3)
     wd.on_step_end(None, 5, None, None)  # slow because it saved: not a straggler
+    assert wd.reports == []
+    time.sleep(0.5)
+    wd.on_step_end(None, 6, None, None)
+    wd.close()
+    assert [r["step"] for r in wd.reports] == [6]
+
+
+def test_an_evaluation_does_not_make_the_next_step_a_straggler():
+    """The loop waits for an evaluation (eval.every; its first call also compiles) between two
+    steps: the next step's time held it and the watchdog reported that step a straggler."""
+    wd = Watchdog(timeout_s=60, straggler_factor=3, min_steps=2)
+    wd.on_start(SimpleNamespace(), 0, None)
+    for step in range(1, 5):  # warm-up step, then three timed steps
+        time.sleep(0.02)
+        wd.on_step_end(None, step, None, None)
+
+    def evaluator(params):
+        time.sleep(0.3)
+        return {"eval_loss": 1.0, "eval_ppl": 2.7}
+
+    loop = SimpleNamespace(evaluator=evaluator, cfg=tiny_config("eval.every=4", "data.eval_fraction=0.1"),
+                           log=lambda msg: None)
+    step_log = SimpleNamespace(paused=contextlib.nullcontext, bar=SimpleNamespace(write=lambda msg, log: None))
+    assert Trainer._evaluate(loop, 4, {"params": None}, {}, step_log)  # after step 4's on_step_end
+    wd.on_step_end(None, 5, None, None)  # slow because of the evaluation: not a straggler
     assert wd.reports == []
     time.sleep(0.5)
     wd.on_step_end(None, 6, None, None)

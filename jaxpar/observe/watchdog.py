@@ -16,8 +16,8 @@ dispatches ahead, jaxpar/train/trainer.py): `on_step_end` queues the step's metr
 thread (`jaxpar-watchdog-ready`) waits for each in turn, so step times are the times between
 consecutive results (device time, or the host's when the host is slower), and a step stuck on
 the devices (a collective waiting for a peer) or in the host loop stops the clock either way.
-A step during which a checkpoint save was recorded (`record_checkpoint_save`) or a profile window
-started or stopped is not judged (`exempt_current_step`).
+A step during which a checkpoint save was recorded (`record_checkpoint_save`), an evaluation ran
+(eval.every) or a profile window started or stopped is not judged (`exempt_current_step`).
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from jaxpar.metrics import (compiled_memory, format_banner, generic_flops_per_to
                             peak_flops)
 from jaxpar.observe import build_callbacks
 from jaxpar.observe.events import RunEvents
+from jaxpar.observe.watchdog import exempt_current_step
 from jaxpar.planner.auto import PredictionReport, resolve_auto
 from jaxpar.sharding import Plan, check_replication, per_device_bytes
 from jaxpar.train.layout_checks import check_layout
@@ -502,6 +503,7 @@ class Trainer:
         jax.block_until_ready(state)  # the step's own time stays in its step_time_s
         with log.paused():
             metrics.update(self.evaluator(state["params"]))
+        exempt_current_step()  # the next step's time holds the evaluation: no straggler (watchdog)
         msg = f"step {step}: eval_loss {metrics['eval_loss']:.4f}, eval_ppl {metrics['eval_ppl']:.2f}"
         log.bar.write(msg, self.log)
         return True
