@@ -171,6 +171,19 @@ def test_profile_window_writes_trace(trainer, tmp_path, capsys):
     assert "profile window:" in out and "no device lines" in out and "PjitFunction(" in out
 
 
+@pytest.mark.parametrize("sub", ["traces/window", "."])
+def test_profile_window_names_the_run_dir_to_open(sub, tmp_path, monkeypatch):
+    """With a nested profile.dir (or '.') the end-of-window message said `jaxpar profile` of the
+    trace dir's parent, a dir without the run's config.yaml (so: no trace files)."""
+    import jax
+    [window] = build_callbacks(tiny_config("profile.steps=[1,1]", f"profile.dir={sub}"), out_dir=tmp_path)
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)  # no trace was started
+    said = []
+    window.active = True
+    window._finish(SimpleNamespace(log=said.append))
+    assert said == [f"profile written to {tmp_path / sub} (open it: jaxpar profile {tmp_path})"]
+
+
 def _trace(path, events):
     import gzip
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},

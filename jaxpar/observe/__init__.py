@@ -31,7 +31,8 @@ def build_callbacks(cfg, out_dir: str | Path | None = None) -> list:
     cbs: list = []
     prof = cfg.profile
     if prof.steps is not None:
-        cbs.append(ProfileWindow(prof.steps[0], prof.steps[1], out / prof.dir, perfetto=prof.perfetto))
+        cbs.append(ProfileWindow(prof.steps[0], prof.steps[1], out / prof.dir, perfetto=prof.perfetto,
+                                 run_dir=out))
     p = cfg.observe.prometheus
     if p.enabled:
         cbs.append(PrometheusExporter(p.host, p.port, p.all_processes, run=cfg.name))

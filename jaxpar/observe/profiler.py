@@ -60,10 +60,14 @@ def trace_files(run_dir: str | Path, sub: str = "profile") -> list[Path]:
 
 
 class ProfileWindow(Callback):
-    def __init__(self, start: int, end: int, log_dir: str | Path, perfetto: bool = True) -> None:
+    def __init__(self, start: int, end: int, log_dir: str | Path, perfetto: bool = True,
+                 run_dir: str | Path | None = None) -> None:
+        """`run_dir`: what `jaxpar profile` is told to open (default: log_dir's parent, which is
+        the run dir only for a one-level profile.dir)."""
         if not 1 <= start <= end:
             raise ValueError(f"profile window must be 1 <= start <= end, got [{start}, {end}]")
         self.start, self.end, self.log_dir, self.perfetto = start, end, Path(log_dir), perfetto
+        self.run_dir = Path(run_dir) if run_dir is not None else self.log_dir.parent
         self.active = False
         self.done = False
 
@@ -80,7 +84,7 @@ class ProfileWindow(Callback):
             exempt_current_step()
             self.active, self.done = False, True
             getattr(trainer, "log", print)(
-                f"profile written to {self.log_dir} (open it: jaxpar profile {self.log_dir.parent})")
+                f"profile written to {self.log_dir} (open it: jaxpar profile {self.run_dir})")
 
     def on_start(self, trainer: Any, step: int, state: Any) -> None:
         if not self.done and step == self.start - 1:
