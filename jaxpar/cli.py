@@ -207,6 +207,7 @@ def _profile_summary(run_dir: str | None, sub: str, as_json: bool) -> int:
 
     import yaml
 
+    from jaxpar.observe.plots import read_metrics
     from jaxpar.observe.trace_summary import format_summary, load_trace, perfetto_trace, summarize
     if not run_dir:
         raise ConfigError("jaxpar profile --summary: give the run's directory (RUN_DIR)")
@@ -221,10 +222,8 @@ def _profile_summary(run_dir: str | None, sub: str, as_json: bool) -> int:
     except (OSError, ValueError, AttributeError):
         window = None
     steps = window[1] - window[0] + 1 if window else None
-    records = []
-    metrics = Path(run_dir) / "metrics.jsonl"
-    if metrics.is_file():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    # jaxpar plot's reader: skips a line cut short by a crash, keeps a resumed step's last record
+    records = read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").is_file() else []
     try:
         summary = summarize(load_trace(trace), steps)
     except (OSError, ValueError) as e:  # not gzip, not JSON, no events

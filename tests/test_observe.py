@@ -231,6 +231,19 @@ def test_trace_summary_device_busy_idle_collectives_and_dispatch(tmp_path, capsy
     assert "no perfetto_trace.json.gz" in capsys.readouterr().out
 
 
+def test_profile_summary_reads_a_metrics_file_cut_short(tmp_path, capsys):
+    """A run killed mid-write leaves a partial last line in metrics.jsonl: `jaxpar profile
+    --summary` ended in a JSONDecodeError traceback (jaxpar plot skips such a line)."""
+    run = tmp_path / "run"
+    _trace(run / "profile" / "plugins" / "profile" / "t" / "perfetto_trace.json.gz",
+           [dict(pid=1, tid=7, name="fusion.1", ts=0, dur=6000)])
+    (run / "config.yaml").write_text("profile:\n  steps: [4, 5]\n")
+    good = {"step": 10, "loss": 1.0, "tokens_per_s": 5000.0, "step_time_s": 0.01}
+    (run / "metrics.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good)[:17])
+    assert main(["profile", str(run), "--summary", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"] == [good]
+
+
 def test_profile_of_a_missing_run_dir_is_an_error(tmp_path, capsys):
     """`jaxpar profile /nonexist` said "no trace files under /nonexist/profile yet" (rc 1), as if
     the run had not reached its window: a dir that is not there is an error naming it (as goodput)."""
