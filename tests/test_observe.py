@@ -156,6 +156,15 @@ def test_taken_prometheus_port_is_one_config_error(tmp_path, capsys):
     exporter.close()
 
 
+def test_a_host_nothing_can_listen_on_is_one_error_before_compiling_with_port_0():
+    """port: 0 skipped the listen check at build_callbacks: a host not of this machine failed only
+    at on_start, after the step compiled (a free port says nothing of the host)."""
+    cfg = tiny_config("observe.prometheus.enabled=true", "observe.prometheus.port=0",
+                      "observe.prometheus.host=192.0.2.1")  # TEST-NET-1: no machine's own address
+    with pytest.raises(ConfigError, match=r"observe.prometheus.host='192.0.2.1': cannot listen on 192.0.2.1:0"):
+        build_callbacks(cfg)
+
+
 def test_profile_window_writes_trace(trainer, tmp_path, capsys):
     cfg = tiny_config(f"train.steps={STEPS}", "profile.steps=[8,9]")
     trainer.callbacks = build_callbacks(cfg, out_dir=tmp_path)

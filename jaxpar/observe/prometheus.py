@@ -297,10 +297,9 @@ def _listen_error(host: str, port: int, requested: int, e: OSError) -> str:
 
 
 def probe_port(host: str, port: int, requested: int | None = None) -> None:
-    """ConfigError when nothing can listen on host:port now (port 0, any free port, always can).
-    The probe binds as the HTTP server will (SO_REUSEADDR), so a port in TIME_WAIT passes."""
-    if port == 0:
-        return
+    """ConfigError when nothing can listen on host:port now (port 0 binds a free port: the host is
+    still checked). The probe binds as the HTTP server will (SO_REUSEADDR), so a port in TIME_WAIT
+    passes."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
