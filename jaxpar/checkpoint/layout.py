@@ -28,30 +28,54 @@ def layout_meta(cfg: Config, mesh) -> dict:
             "grad_accum": cfg.train.grad_accum, "batch_parallel": batch_parallel(cfg, mesh.devices.size)}
 
 
-def fit_mesh(cfg: Config, n_devices: int) -> dict[str, int]:
+def fit_mesh(cfg: Config, n_devices: int, data: int | None = None) -> dict[str, int]:
     """Axis sizes for `n_devices` close to `cfg.mesh`: keep pipeline, context and tensor where they divide
     the device count (else their largest divisor that does), then fsdp and expert likewise; data
-    takes the rest."""
+    takes the rest. With `data` (a size that must stay: local SGD's replicas), data is that and
+    fsdp takes the rest."""
     sizes = {a: max(getattr(cfg.mesh, a), 1) for a in MESH_AXES}
-    left = n_devices
+    left = n_devices // (data or 1)
     out = {}
     for a in ("pipeline", "context", "tensor", "expert", "fsdp"):
         out[a] = math.gcd(sizes[a], left)
         left //= out[a]
-    out["data"] = left
+    if data:
+        out["data"], out["fsdp"] = data, out["fsdp"] * left
+    else:
+        out["data"] = left
     return {a: out[a] for a in MESH_AXES}
+
+
+def kept_replicas(cfg: Config, meta: dict, n_devices: int) -> int | None:
+    """The `data` size a resume must keep, or None when any will do. Local SGD's state holds one
+    optimizer state and one copy of the params per data replica, and the replica count is part of
+    the algorithm: on another device count the mesh keeps it (CheckpointError when it cannot)."""
+    saved = (meta.get("mesh") or {}).get("data")
+    if cfg.local_sgd.sync_every <= 1 or not saved:
+        return None
+    if n_devices % int(saved):
+        raise CheckpointError(
+            f"cannot resume this local SGD run on {n_devices} devices: its state holds one optimizer "
+            f"state per data-parallel replica and the checkpoint has {saved} (mesh.data={saved}), which "
+            f"does not divide {n_devices}; use a device count divisible by {saved}, or start a new run "
+            f"from its weights (train.init_from=<its step dir>: the params, a fresh optimizer state)")
+    return int(saved)
 
 
 def adapt_layout(cfg: Config, meta: dict, n_devices: int) -> tuple[Config, list[str]]:
     """The config for resuming a checkpoint saved on another device count: a mesh that fits
     n_devices (when the configured one does not) and a grad_accum that keeps the global batch
-    and does not grow the per-device microbatch. ConfigError when no layout keeps the batch."""
+    and does not grow the per-device microbatch (local SGD keeps its replica count, `data`).
+    ConfigError when no layout keeps the batch."""
     changes: list[str] = []
     raw = cfg.model_dump(mode="json")
+    replicas = kept_replicas(cfg, meta, n_devices)
     try:
-        resolve_sizes(cfg.mesh, n_devices)
+        fits = replicas in (None, resolve_sizes(cfg.mesh, n_devices)["data"])
     except ConfigError:
-        new = fit_mesh(cfg, n_devices)
+        fits = False
+    if not fits:
+        new = fit_mesh(cfg, n_devices, replicas)
         old = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
         raw["mesh"].update(new)
         changes.append("mesh " + ",".join(f"{a}={old[a]}" for a in MESH_AXES if old[a] != 1 or new[a] != 1)
