@@ -646,3 +646,21 @@ def test_local_sgd_elastic_resume_keeps_the_replicas(tmp_path, devices):
                                    [want[s]["loss"], want[s]["grad_norm"]], rtol=1e-5)
     with pytest.raises(ck.CheckpointError, match="local SGD run on 6 devices.*mesh.data=4"):
         ck.adapt_layout(cfg, plan.meta, 6)
+
+
+def test_elastic_resume_adapts_pipeline_microbatches():
+    """With pipeline.microbatches set (grad_accum 1), the saved layout recorded grad_accum 1: a
+    resume on 4 devices set grad_accum 2 beside microbatches 4 and stopped with "set only one of
+    them". The microbatches are the accumulation: they are what adapts, keeping the saved run's
+    rows per microbatch."""
+    cfg = tiny_config("mesh.data=2", "mesh.pipeline=2", "mesh.tensor=2", "pipeline.microbatches=4",
+                      "train.global_batch=16")
+    axes = ("data", "fsdp", "pipeline", "tensor", "expert")
+    mesh8 = type("M", (), {"shape": {"data": 2, "fsdp": 1, "pipeline": 2, "tensor": 2, "expert": 1},
+                           "axis_names": axes, "devices": np.zeros(8)})()
+    meta = ck.layout_meta(cfg, mesh8)
+    rows = lambda c, n: c.train.global_batch // (ck.batch_parallel(c, n)
+                                                 * c.pipeline.resolved_microbatches(c.train.grad_accum))
+    new, changes = ck.adapt_layout(cfg, meta, 4)
+    assert new.mesh.pipeline == 2 and rows(new, 4) == rows(cfg, 8), changes
+    assert any("pipeline.microbatches 4 -> 8" in c for c in changes), changes

@@ -25,7 +25,16 @@ def layout_meta(cfg: Config, mesh) -> dict:
     return {"mesh": {a: int(mesh.shape[a]) for a in mesh.axis_names},
             "devices": int(mesh.devices.size), "processes": jax.process_count(),
             "zero_stage": cfg.sharding.zero_stage, "global_batch": cfg.train.global_batch,
-            "grad_accum": cfg.train.grad_accum, "batch_parallel": batch_parallel(cfg, mesh.devices.size)}
+            "grad_accum": accumulation(cfg, int(mesh.shape.get("pipeline", 1))),
+            "batch_parallel": batch_parallel(cfg, mesh.devices.size)}
+
+
+def accumulation(cfg: Config, pipeline: int) -> int:
+    """How many microbatches a step's batch-parallel slice is cut into: train.grad_accum, or
+    with a pipeline of `pipeline` stages its pipeline.microbatches when set (it replaces grad_accum)."""
+    if pipeline > 1 and cfg.pipeline.microbatches is not None:
+        return cfg.pipeline.resolved_microbatches(cfg.train.grad_accum)
+    return cfg.train.grad_accum
 
 
 def fit_mesh(cfg: Config, n_devices: int, data: int | None = None) -> dict[str, int]:
@@ -93,15 +102,21 @@ def adapt_layout(cfg: Config, meta: dict, n_devices: int) -> tuple[Config, list[
             f"use a device count whose batch-parallel size divides {G}, or change train.global_batch "
             f"(that changes the data order and the loss curve)")
     need = max(1, -(-old_dp * old_acc // dp))  # per-device microbatch no larger than before
-    acc = cfg.train.grad_accum
+    now = accumulation(cfg, resolve_sizes(cfg.mesh, n_devices)["pipeline"])
+    acc = now
     if acc < need or (G // dp) % acc:
         acc = next(a for a in range(need, G // dp + 1) if (G // dp) % a == 0)
-    if acc != cfg.train.grad_accum:
-        changes.append(f"train.grad_accum {cfg.train.grad_accum} -> {acc} (global batch {G} = "
+    if acc != now:
+        # a pipeline's microbatches, when set, are its accumulation steps (grad_accum 1 or equal)
+        fields = ["train.grad_accum"] if now == cfg.train.grad_accum else []
+        fields = fields if now != cfg.pipeline.microbatches else fields + ["pipeline.microbatches"]
+        changes.append(f"{' and '.join(fields)} {now} -> {acc} (global batch {G} = "
                        f"{dp} batch-parallel x {acc} microbatches x {G // (dp * acc)} rows; saved as "
                        f"{old_dp} x {old_acc} x {saved_G // max(old_dp * old_acc, 1)})")
         raw = cfg.model_dump(mode="json")
-        raw["train"]["grad_accum"] = acc
+        for f in fields:
+            section, key = f.split(".")
+            raw[section][key] = acc
         cfg = make_config(raw, [])
     return cfg, changes
 
