@@ -573,6 +573,9 @@ class CheckpointConfig(Strict):
     @field_validator("dir")
     @classmethod
     def _inside_run_dir(cls, v: str | None) -> str | None:
+        # `~/ck` is the home dir's (expanded here, once: the saver and every reader of the saved
+        # config agree; a literal `~` dir inside the run dir was saved to and never found)
+        v = os.path.expanduser(v) if v else v
         if v and not os.path.isabs(v) and os.path.normpath(v).split(os.sep)[0] == "..":
             raise ValueError("a relative checkpoint.dir is inside the run dir (<run_dir>/<name>) and "
                              "'..' may not leave it; use a path inside it, or an absolute path")

@@ -155,6 +155,20 @@ def test_resume_and_inspect_read_a_named_path_alike(tmp_path):
     assert ck.checkpoint_dir(tiny_config(f"run_dir={tmp_path}", "name=run")) == root  # where it saves
 
 
+def test_a_home_relative_checkpoint_dir_is_where_the_readers_look(tmp_path, monkeypatch):
+    """checkpoint.dir=~/ck: the run saved into a literal `~` dir inside the run dir while
+    `generate`, `convert` and `train.init_from` (hf.init.run_checkpoint_dir, from the saved
+    config) looked in the home dir. Both are the home dir's now, the path os.path gives."""
+    from jaxpar.hf.init import run_checkpoint_dir
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = tiny_config(f"run_dir={tmp_path}", "name=run", "checkpoint.dir=~/ck")
+    want = Path(os.path.expanduser("~/ck"))
+    assert want.is_absolute() and ck.checkpoint_dir(cfg) == want
+    cfg.out_dir.mkdir(parents=True)
+    (cfg.out_dir / "config.yaml").write_text(cfg.to_yaml())
+    assert run_checkpoint_dir(cfg.out_dir) == ck.checkpoint_dir(cfg)
+
+
 def test_adapt_layout_keeps_global_batch():
     cfg = tiny_config("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     meta = ck.layout_meta(cfg, type("M", (), {"shape": {"data": 2, "fsdp": 2, "pipeline": 1, "tensor": 2,
