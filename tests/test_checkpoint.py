@@ -318,6 +318,33 @@ def test_nonfinite_streak_rolls_back_and_skips_the_batch(poisoned_trainer, tmp_p
     assert aside == ([] if first == 2 else ["4.rolled_back"])
 
 
+def test_a_rollback_onto_a_damaged_step_falls_back_to_the_one_before(poisoned_trainer, tmp_path, monkeypatch):
+    """Steps 3 and 4 bad (data steps 2, 3), a checkpoint every step: the streak rolls back to the
+    latest step before it, 2. With step 2 damaged (its arrays fail to load) the rollback stopped
+    the run ("no good checkpoint") though step 1 was good; it falls back to step 1, as a resume
+    does, and the run completes every step."""
+    from jaxpar.checkpoint.store import Checkpointer
+    tr = poisoned_trainer
+    tr.poison({2, 3})
+    load = Checkpointer._load
+
+    def damaged(self, abstract, s, config=None):
+        if s == 2 and self.root == tmp_path / "checkpoints":
+            raise ck.CheckpointError("arrays unreadable (test)")
+        return load(self, abstract, s, config)
+    monkeypatch.setattr(Checkpointer, "_load", damaged)
+    logs = []
+    old_log, tr.log = tr.log, logs.append
+    tr.cfg.train.nonfinite_rollback, tr.cfg.checkpoint.every = True, 1
+    try:
+        _, hist = tr.fit(out_dir=tmp_path, progress=False)
+    finally:
+        tr.cfg.train.nonfinite_rollback, tr.cfg.checkpoint.every, tr.log = False, 100, old_log
+    assert any("rolled back to step 1 and skipping data step 2" in m for m in logs), logs
+    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5]
+    assert all(np.isfinite(h["loss"]) for h in hist[-2:])
+
+
 def test_sigint_is_caught_then_handlers_restored():
     import signal
     import time

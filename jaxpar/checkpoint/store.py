@@ -94,16 +94,21 @@ class Checkpointer:
     # -- restore
     def restore(self, abstract_state: Any, step: int | None = None,
                 warn: Callable[[str], None] = print_warning,
-                config: dict | None = None) -> tuple[Any, dict, int]:
-        """(state, meta, step) from `step`, or the latest good step. `abstract_state` holds
-        ShapeDtypeStructs with the shardings to restore onto (any mesh). A step that fails to
-        load on any process, or whose checksums differ, is reported with `warn` and every
-        process tries the previous one. A step saved with another state structure or dtypes
-        (a config change, not damage) stops it with one StateMismatch naming the differences
-        from `config` (the current config, as JSON), before any array is read."""
-        steps = [step] if step is not None else steps_anywhere(self.all_steps())
+                config: dict | None = None, at_most: int | None = None) -> tuple[Any, dict, int]:
+        """(state, meta, step) from `step`, or the latest good step (`at_most`: the latest good
+        one up to that step, a rollback's). `abstract_state` holds ShapeDtypeStructs with the
+        shardings to restore onto (any mesh). A step that fails to load on any process, or whose
+        checksums differ, is reported with `warn` and every process tries the previous one (not
+        when `step` is given). A step saved with another state structure or dtypes (a config
+        change, not damage) stops it with one StateMismatch naming the differences from `config`
+        (the current config, as JSON), before any array is read."""
+        if step is not None:
+            steps = [step]
+        else:
+            steps = [s for s in steps_anywhere(self.all_steps()) if at_most is None or s <= at_most]
         if not steps:
-            raise CheckpointError(f"no checkpoints in {self.root}")
+            raise CheckpointError(f"no checkpoints in {self.root}"
+                                  + (f" up to step {at_most}" if at_most is not None else ""))
         failures = []
         for s in steps:
             where = self.root / str(s)

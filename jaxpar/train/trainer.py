@@ -256,11 +256,12 @@ class Trainer:
         ckpt.save(step, self.in_order(state, "canonical"), self.checkpoint_meta(step),
                   self.cfg.model_dump(mode="json"))
 
-    def restore_step(self, ckpt, step: int | None = None) -> tuple[dict, dict, int]:
-        """(state, meta, step) of `ckpt`'s `step` (None: its latest good one) onto this trainer's
-        layout, layer stacks in the stored order."""
+    def restore_step(self, ckpt, step: int | None = None,
+                     at_most: int | None = None) -> tuple[dict, dict, int]:
+        """(state, meta, step) of `ckpt`'s `step` (None: its latest good one, up to `at_most`)
+        onto this trainer's layout, layer stacks in the stored order."""
         state, meta, step = ckpt.restore(self.abstract_state_sharded(), step,
-                                         config=self.cfg.model_dump(mode="json"))
+                                         config=self.cfg.model_dump(mode="json"), at_most=at_most)
         return self.in_order(state, "stored"), meta, step
 
     def _save_blocking(self, ckpt, step: int, state: dict, save: bool = True, wait: bool = False) -> None:
@@ -561,7 +562,8 @@ class Trainer:
                                   f"to roll back to")
         bad_batch = self.data_step(first_bad)
         del state
-        state, meta, restored = self.restore_step(ckpt, good[-1])
+        # the latest good step before the streak; a damaged one falls back to the one before
+        state, meta, restored = self.restore_step(ckpt, at_most=good[-1])
         # the checkpoints taken since (in or after the streak) are a future the run no longer has:
         # set aside, so the steps can be saved again and a later resume does not start from them
         ckpt.set_aside([s for s in ckpt.all_steps() if s > restored], "rolled_back")
