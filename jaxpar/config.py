@@ -357,6 +357,10 @@ class GradientCompressionConfig(Strict):
                 f"byte, so the block size must be a multiple of 8 (e.g. 256)")
         if self.method == "topk" and self.block_size > 65536:
             raise ValueError(f"block_size={self.block_size}: topk indexes blocks with uint16 (<= 65536)")
+        if self.scope == "dcn" and self.axes is not None:  # the dcn split picks its own group
+            raise ValueError(
+                f"axes={self.axes} with scope='dcn': scope dcn compresses only the across-host part "
+                f"of `data` and reads no axes; drop axes, or use scope='all' with axes")
         return self
 
 

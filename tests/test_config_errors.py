@@ -238,3 +238,12 @@ def test_a_config_that_is_a_directory_or_not_text_is_one_error(tmp_path, capsys)
     assert main(["train", str(p)]) == 2
     err = capsys.readouterr().err
     assert f"{str(p)!r} is not UTF-8 text (byte {len(text)})" in err and "Traceback" not in err
+
+
+def test_compression_axes_beside_the_dcn_scope_is_one_error():
+    """scope: dcn compresses the across-host part of `data` and reads no `axes`: both given,
+    the axes were silently ignored."""
+    with pytest.raises(ConfigError, match=r"gradient_compression.*axes=\['data'\] with scope='dcn'"):
+        tiny_config("gradient_compression.method=int8", "gradient_compression.scope=dcn",
+                    "gradient_compression.axes=[data]")
+    tiny_config("gradient_compression.method=int8", "gradient_compression.scope=dcn")  # alone: fine
