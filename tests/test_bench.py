@@ -151,6 +151,24 @@ def test_step_bench_flops_collectives_memory_and_host_time():
         mod.run(cfg, layouts=["nope"])
 
 
+def test_step_bench_model_flops_count_active_experts_and_the_heads_width():
+    """bench step's model FLOPs counted every expert of a MoE (3.0x the active count here) and
+    attention at model.dim wide where head_dim x n_heads is not dim; an analytic Llama count."""
+    from jaxpar.train.trainer import Trainer
+    mod, cfg = load("step", None, [*TINY, "model.head_dim=64", "model.moe.num_experts=4",
+                                   "model.moe.top_k=1"])
+    m, S = cfg.model, cfg.train.seq_len
+    D, H, K, F, V, L, hd = m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.n_layers, m.head_dim
+    Fe = m.moe.expert_ffn_dim or F
+    # per layer: q and o (H hd x D), k and v (K hd x D), router (D x E), top_k SwiGLU experts (3
+    # matrices), 2 norms; the final norm and the head (V x D), no input embedding (a gather)
+    n = L * (D * hd * (2 * H + 2 * K) + D * m.moe.num_experts + m.moe.top_k * 3 * D * Fe + 2 * D) + D + V * D
+    per_token = 6 * n + 12 * L * S * H * hd
+    trainer = Trainer(cfg, log=lambda s: None)
+    want = per_token * cfg.train.global_batch * S / N
+    assert mod.model_flops(trainer) == pytest.approx(want, rel=1e-9)
+
+
 def test_pipeline_layers_that_do_not_split_and_a_bad_plot_path_fail_before_compiling(tmp_path, capsys):
     """model.n_layers=2 against the benchmark's mesh.pipeline=4 printed a table that claimed a
     compiled column at pipeline=4 with only p=2 rows and '-' cells; --plot into a missing dir failed

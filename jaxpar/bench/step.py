@@ -3,8 +3,8 @@ quickstart) and for the 1B preset's shape, compiled from abstract state only (Tr
 ShapeDtypeStructs carrying the shardings; nothing is allocated, so the 1B shape needs no memory).
 
 Per layout (dp, zero1, zero2, zero3, tp, pp on 8 devices; `layouts=` picks some):
-  - model FLOPs per device per step: metrics.flops.llama_flops_per_token (6N + attention) x the
-    step's tokens / devices;
+  - model FLOPs per device per step: the Trainer's flops_per_token (metrics.flops.llama_flops_per_token,
+    6N + attention; a MoE's active params) x the step's tokens / devices;
   - compiled FLOPs per device: the matmul FLOPs of the compiled step's dots, loop trips
     multiplied in (metrics.hlo.dot_flops); their excess over the model's is the recompute (remat;
     a pipeline backward that runs its stage forward again). A conditional counts its heaviest
@@ -29,7 +29,7 @@ import jax
 
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
 from jaxpar.config import Config, ConfigError
-from jaxpar.metrics import llama_flops_per_token, loop_collectives
+from jaxpar.metrics import loop_collectives
 from jaxpar.metrics.hlo import dot_flops
 from jaxpar.train.trainer import Trainer
 
@@ -50,13 +50,10 @@ KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
 
 def model_flops(trainer: Trainer) -> float:
-    """The model's training FLOPs per device per step (PaLM's 6N + 12 L T d per token)."""
-    cfg, m = trainer.cfg, trainer.model
-    embed = m.shapes["embed"].shape
-    head = embed[0] * embed[1]  # the head matmul runs per token (tied or not); the embedding is a gather
-    nonembed = m.n_params - head + (head if cfg.model.tie_embeddings else 0)
-    per_token = llama_flops_per_token(nonembed, cfg.model.n_layers, cfg.train.seq_len, cfg.model.dim)
-    return per_token * cfg.train.global_batch * cfg.train.seq_len / trainer.mesh.devices.size
+    """The model's training FLOPs per device per step: the trainer's own count per token (what its
+    MFU uses: a MoE's active experts, attention's width n_heads x head_dim), not a second formula."""
+    cfg = trainer.cfg
+    return trainer.flops_per_token * cfg.train.global_batch * cfg.train.seq_len / trainer.mesh.devices.size
 
 
 def compiled_figures(cfg: Config, log: Callable[[str], None], name: str) -> tuple[Trainer, dict]:
