@@ -761,6 +761,25 @@ def test_shared_compute_units_sum_every_devices_work():
     assert not own.shared_compute and _predict(pp, own).bubble_s > 0
 
 
+def test_mfu_on_shared_units_is_over_the_units_peak():
+    """cpu8's peak_tflops is one core's, shared by 4 devices: MFU took devices x that peak (4x
+    the machine's), so a compute-bound plan read a quarter of its matmul efficiency. On a
+    cluster with no memory, comm or fixed terms the step is the model FLOPs x remat over the
+    units' peak x efficiency.matmul: MFU = matmul / remat factor, shared units or not."""
+    cpu8 = load_cluster("cpu8")
+    bare = cpu8.model_copy(update={"memory_gbps": None, "fresh_gbps": None,
+                                   "intra": cpu8.intra.model_copy(update={"latency_us": 0.0, "bandwidth_gbps": 1e12})})
+    dp = "mesh.data=8 mesh.fsdp=1 mesh.tensor=1 sharding.zero_stage=0 train.remat=full"
+    eff = bare.efficiency.matmul
+    for units in (4, 1):
+        cluster = bare.model_copy(update={"devices_per_unit": units})
+        t = _predict(dp, cluster, layer_overhead_us=0.0, comm=1.0)
+        hardware = cluster.peak("float32") * 8 / units  # 2 cores (4 a core), or 8 devices
+        achieved = t.model_flops_per_step / t.step_s
+        assert t.mfu == pytest.approx(achieved / hardware, rel=1e-9)
+        assert t.mfu == pytest.approx(eff * 3 / 4, rel=1e-3), (units, t)  # remat full: 4/3 the work
+
+
 def test_memory_roofline_and_rendezvous_latency():
     """efficiency.memory_overlap 1 takes the longer of compute and memory traffic, 0 adds them;
     the optimizer's pass adds either way (it runs after the last gradient: nothing hides it);

@@ -28,7 +28,8 @@ fixed costs + pipeline bubble; on compute units shared by several devices, all d
             the work of every device (compute, memory, fixed; pipeline.recompute's forward
             again) over the units, plus the collectives: replicated work counts once per
             device, a device's idle tick is another's compute
-MFU = model FLOPs (no recompute) per step / (step time x devices x peak).
+MFU = model FLOPs (no recompute) per step / (step time x peak of the devices: a unit's peak x
+compute units where devices share them, else x devices).
 """
 from __future__ import annotations
 
@@ -257,5 +258,7 @@ def step_time(cfg, layout: Layout, model, cluster: Cluster, comm: dict,
             parts = {"compute": per_unit * again * part_c, "memory": per_unit * (part_m - part_f + update),
                      "fresh": per_unit * part_f, "comm": on_path + exposed["grad_sync"],
                      "fixed": per_unit * (layer_fixed + tick_fixed)}
-    return StepTime(part_c, exposed, bubble, step, tokens / step, model_flops / (step * devices * peak),
+    # the hardware's peak: peak_tflops is a compute unit's, which devices_per_unit devices share
+    units = cluster.compute_units if cluster.shared_compute else devices
+    return StepTime(part_c, exposed, bubble, step, tokens / step, model_flops / (step * units * peak),
                     model_flops, part_m + update, layer_fixed + tick_fixed, shared, update, parts)
