@@ -680,6 +680,33 @@ def test_fit_recovers_the_constants_that_produced_the_times(tmp_path):
         fit_cluster(cluster, dirs)
 
 
+def test_fit_keeps_a_part_fitted_to_zero_and_fits_the_rest_again(tmp_path):
+    """Two runs of one layout (parts in proportion): NNLS put the memory factor at 0 and compute
+    alone met the times; the 0 was then written back as 1, adding the memory part on top, so
+    the fitted cluster predicted 15 ms more than the least-squares fit. With identical rows the
+    least-squares step is the measured times' mean, whichever factors carry it."""
+    from jaxpar.planner.fit import PARTS, fit_cluster, terms
+    cluster = load_cluster("cpu8")
+    cfg = load_config("configs/quickstart.yaml", ["checkpoint.enabled=false"])
+    dirs, times = [], []
+    for i, scale in enumerate((1.8, 3.2)):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        (d / "config.yaml").write_text(cfg.to_yaml())
+        parts, _ = terms(cluster, d, None)
+        times.append(scale * sum(parts.values()))
+        records = [{"step": s, "step_time_s": times[-1]} for s in range(1, 4)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        dirs.append(str(d))
+    fitted, report = fit_cluster(cluster, dirs)
+    mean = sum(times) / 2
+    for r in report["runs"]:
+        assert r["predicted_after_s"] == pytest.approx(mean, rel=1e-6), report["factors"]
+        parts, _ = terms(fitted, Path(r["run"]), None)
+        assert sum(parts.values()) == pytest.approx(mean, rel=1e-6)
+    assert all(report["factors"][k] > 0 for k in PARTS)
+
+
 def _predict(overrides: str, cluster, **updates):
     """step_time of a quickstart layout on `cluster` with its efficiency `updates` (no compile)."""
     from jaxpar.planner.timing import step_time

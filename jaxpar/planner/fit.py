@@ -8,8 +8,8 @@ measurement). The predicted step is a sum of parts, each scaled by one constant
 first touches of fresh memory (1 / fresh_gbps), collectives (1 / efficiency.comm, and the
 links' latency) and the fixed costs (efficiency.layer_overhead_us and
 tick_overhead_us together). One factor per part is fitted by non-negative least squares, the
-parts in that order, as many as there are runs (the others keep their constants); an
-efficiency stays at most 1.
+parts in that order, as many as there are runs (the others keep their constants; so does a part
+fitted to 0, the rest fitted again beside it); an efficiency stays at most 1.
 """
 from __future__ import annotations
 
@@ -92,9 +92,15 @@ def fit_cluster(cluster: Cluster, run_dirs: list[str]) -> tuple[Cluster, dict]:
     free = [i for i in range(len(PARTS)) if a[:, i].any()][:len(rows)]
     kept = [i for i in range(len(PARTS)) if i not in free]
     factor = np.ones(len(PARTS))
-    if free:
+    while free:
+        # a part fitted to 0 (free of cost) has no constant to write: it keeps its own (1), and
+        # the others are fitted again beside it, so the constants written are the fit reported
         factor[free], _ = nnls(a[:, free], y - a[:, kept].sum(axis=1))
-    factor = np.where(factor > 0, factor, 1.0)
+        zero = [i for i in free if factor[i] <= 0]
+        if not zero:
+            break
+        factor[zero] = 1.0
+        free, kept = [i for i in free if i not in zero], sorted(kept + zero)
     fitted = scaled(cluster, dict(zip(PARTS, map(float, factor))))
     for r in rows:
         r.update(predicted_before_s=sum(r["parts"].values()),
