@@ -503,6 +503,22 @@ def test_plan_cli_rejects_bad_counts(capsys):
     assert "--cluster CLUSTER required (except for plan calibrate)" in " ".join(help_text.split()), help_text
 
 
+def test_plan_options_a_form_does_not_read_are_one_error(capsys, tmp_path):
+    """`jaxpar plan CONFIG -o FILE` wrote nothing, `plan calibrate FILE` printed to stdout and
+    wrote no FILE, `plan fit ... --layout` fitted every layout: each option was dropped without a
+    word. Each is now one error naming what that form reads (before anything runs)."""
+    out = tmp_path / "c.yaml"
+    cases = ((["configs/quickstart.yaml", "--cluster", "cpu8", "-o", str(out)], "--output"),
+             (["calibrate", str(out)], str(out)), (["calibrate", "--cluster", "cpu8"], "--cluster"),
+             (["fit", str(tmp_path), "--cluster", "cpu8", "--layout", "mesh.tensor=2"], "--layout"),
+             (["fit", str(tmp_path), "--cluster", "cpu8", "--top", "3"], "--top"))
+    for argv, named in cases:
+        assert main(["plan", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert "not read by this form" in err and named in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
 def test_pinned_options_are_scored_even_where_the_search_would_not_try_them(capsys):
     """--layout pins replace the searched range: one device's own config (ZeRO-1 with fsdp 1,
     the dots_with_no_batch_dims_saveable policy: configs/llama_1b.yaml) is scored, not filtered

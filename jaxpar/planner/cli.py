@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
                                                    "jaxpar/planner/clusters) or a YAML file")
     p.add_argument("--devices", type=int, default=None,
                    help="devices to plan for, >= 1 (default: the cluster's)")
-    p.add_argument("--top", type=int, default=5, help="layouts to print, >= 1 (default 5)")
+    p.add_argument("--top", type=int, default=None, help="layouts to print, >= 1 (default 5)")
     p.add_argument("--layout", action="extend", nargs="+", default=[], metavar="mesh.x=N",
                    help="score only layouts with these settings (mesh.*, sharding.zero_stage, train.remat, "
                         "train.grad_accum, pipeline.schedule, pipeline.virtual_stages, pipeline.recompute, "
@@ -79,10 +79,32 @@ def _layout_value(key: str, raw: str, value):
     return value
 
 
+# the options each form reads; another given is an error (it did nothing before: -o on a plan, a
+# file name after calibrate, --layout with fit)
+USES = {"calibrate": {"output"}, "fit": {"cluster", "devices", "json", "output"},
+        "plan": {"cluster", "devices", "top", "layout", "explain", "json"}}
+UNSET = {"cluster": None, "devices": None, "top": None, "layout": [], "explain": False, "json": False,
+         "output": None}
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """One error naming the options (or arguments) this form of `jaxpar plan` does not read."""
+    form = args.target[0] if args.target[0] in ("calibrate", "fit") else "plan"
+    bad = [f"--{k}" for k, unset in UNSET.items() if k not in USES[form] and getattr(args, k) != unset]
+    if form == "calibrate" and len(args.target) > 1:
+        bad.append(f"the argument(s) {' '.join(args.target[1:])} (write the file with -o FILE)")
+    if bad:
+        raise ConfigError(f"jaxpar plan{'' if form == 'plan' else ' ' + form}: {', '.join(bad)} "
+                          f"{'is' if len(bad) == 1 else 'are'} not read by this form; it reads "
+                          f"{', '.join('--' + k for k in sorted(USES[form]))}")
+
+
 def run(args: argparse.Namespace) -> int:
     head = args.target[0]
+    check_options(args)
     if args.devices is not None and args.devices < 1:
         raise ConfigError(f"jaxpar plan: --devices must be >= 1 (got {args.devices})")
+    args.top = 5 if args.top is None else args.top
     if args.top < 1:
         raise ConfigError(f"jaxpar plan: --top must be >= 1 (got {args.top})")
     if head == "calibrate":
