@@ -826,6 +826,12 @@ def _fields_at(model_cls: type[BaseModel], loc: tuple) -> list[str]:
 
 
 def _format_errors(err: ValidationError, cls: type[BaseModel]) -> str:
+    return "invalid config:\n  " + "\n  ".join(validation_lines(err, cls))
+
+
+def validation_lines(err: ValidationError, cls: type[BaseModel]) -> list[str]:
+    """One line per error of `cls`'s validation: an unknown key with the valid ones (and the
+    closest), a missing field by name, a bad value with its value (not its section's dict)."""
     lines = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"])
@@ -844,7 +850,7 @@ def _format_errors(err: ValidationError, cls: type[BaseModel]) -> str:
                 lines.append(msg if where == "<root>" else f"{where}: {msg}")
             else:
                 lines.append(f"{where} = {value!r}: {msg}")
-    return "invalid config:\n  " + "\n  ".join(lines)
+    return lines
 
 
 class StrictYamlLoader(yaml.SafeLoader):

@@ -471,6 +471,24 @@ def test_cluster_presets_and_errors(tmp_path):
         assert field in str(e.value), str(e.value)
 
 
+def test_cluster_file_missing_fields_and_misspelled_keys_are_named(tmp_path):
+    """A cluster file without memory_gib printed 'memory_gib = {...the whole file...}: Field
+    required' for each missing field, and a misspelled key no valid ones; now the config's own
+    lines: each missing field by name, an unknown key with the closest valid one."""
+    from jaxpar.planner.cluster import Cluster
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nplatform: cpu\ndevices_per_host: 8\npeak_tflop: {float32: 1}\n"
+                   "efficiency: {matmull: 0.5}\n")
+    with pytest.raises(ConfigError) as e:
+        load_cluster(bad)
+    text = str(e.value)
+    required = [k for k, f in Cluster.model_fields.items() if f.is_required() and k != "name"]
+    missing = [k for k in required if k != "platform" and k != "devices_per_host"]
+    assert missing and all(f"\n  {k}: Field required" in text for k in missing), text
+    assert "did you mean 'peak_tflops'?" in text and "did you mean 'matmul'?" in text, text
+    assert "devices_per_host': 8" not in text, text  # the file's mapping is not a field's value
+
+
 def test_plan_cli(capsys):
     assert main(["plan", "configs/quickstart.yaml", "--cluster", "cpu8", "--top", "2", "--json",
                  "--layout", "mesh.tensor=2"]) == 0

@@ -17,7 +17,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxpar.config import ConfigError, load_yaml
+from jaxpar.config import ConfigError, load_yaml, validation_lines
 
 PRESET_DIR = Path(__file__).parent / "clusters"
 GIB = 2**30
@@ -137,5 +137,5 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
     try:
         return Cluster.model_validate(raw)
     except ValidationError as err:
-        lines = [f"{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" for e in err.errors()]
+        lines = validation_lines(err, Cluster)
         raise ConfigError(f"invalid cluster file {str(path)!r}:\n  " + "\n  ".join(lines)) from None
