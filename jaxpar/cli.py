@@ -417,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxpar: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader of stdout went away (`jaxpar plan ... | head`): stop quietly, as a Unix tool
+        # does; stdout goes to devnull so the interpreter's final flush cannot raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

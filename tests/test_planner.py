@@ -509,6 +509,19 @@ def test_plan_layout_value_that_is_not_yaml_is_one_error(capsys):
     assert "--layout 'mesh.tensor=[1': '[1' is not a YAML value" in err and "Traceback" not in err
 
 
+def test_plan_piped_into_a_reader_that_stops_ends_quietly():
+    """`jaxpar plan ... | head` ended in a BrokenPipeError traceback once head had its lines;
+    `| true` closes the pipe before the plan is printed, so the first write meets it."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(f"{sys.executable} -m jaxpar.cli plan configs/quickstart.yaml --cluster cpu8 | true",
+                       shell=True, capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
 def test_plan_cli_rejects_bad_counts(capsys):
     """--devices 0 was taken as not given, --devices -2 said "no mesh of -2 devices" (rc 1), --top 0
     printed nothing and --top -1 all but one: each is one error naming the option, exit 2."""
