@@ -330,6 +330,17 @@ def test_context_config_is_validated():
         tiny_config("mesh.context=0")
 
 
+def test_bench_context_checks_every_length_before_compiling(monkeypatch):
+    """--seqs 100: the blockwise row compiled and ran before ring's zigzag refused the length;
+    every (strategy, length) is checked first, with the trainer's own error."""
+    from jaxpar.bench import context as bench
+    from jaxpar.bench import load
+    _, cfg = load("context", None, ["model.n_layers=1"])
+    monkeypatch.setattr(bench, "measure", lambda *a, **k: pytest.fail("compiled before the check"))
+    with pytest.raises(ConfigError, match=r"train.seq_len=100 must be divisible by 16"):
+        bench.run(cfg, seqs=(100,), strategies=("blockwise", "ring"))
+
+
 def test_bench_context_rows_and_table(devices):
     """`jaxpar bench context` at a tiny size: the ring's permute bytes are its analytic volume,
     the split sequence needs less temp memory per device, and the table prints."""

@@ -28,9 +28,10 @@ import numpy as np
 
 from jaxpar.bench.common import describe_config, fmt_bytes, mesh_overrides, table, with_overrides
 from jaxpar.config import Config
+from jaxpar.mesh import resolve_sizes
 from jaxpar.metrics import compiled_memory
 from jaxpar.metrics.hlo import collective_bytes
-from jaxpar.parallel.context import ring_bytes
+from jaxpar.parallel.context import check_layout as check_context, ring_bytes
 from jaxpar.train.step import DTYPES
 from jaxpar.train.trainer import Trainer
 
@@ -105,6 +106,10 @@ def longest_fitting(cfg: Config, strategy: str, rows: list[dict], log, start: in
 
 def run(cfg: Config, log: Callable[[str], None] = lambda s: None, seqs=SEQS, strategies=STRATEGIES,
         budget: int = BUDGET_BYTES, max_seq: int = MAX_SEQ) -> dict:
+    for seq in seqs:  # a length a strategy cannot split is an error before anything compiles
+        for s in strategies:
+            c = strategy_config(cfg, s, seq)
+            check_context(c, resolve_sizes(c.mesh, jax.device_count()))
     rows = [measure(cfg, s, seq, log) for seq in seqs for s in strategies]
     longest = {s: longest_fitting(cfg, s, rows, log, min(seqs), budget, max_seq) for s in strategies}
     return {"jax": jax.__version__, "backend": jax.default_backend(), "devices": jax.device_count(),
