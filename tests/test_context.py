@@ -359,3 +359,24 @@ def test_bench_context_rows_and_table(devices):
     assert ring["temp_bytes"] < gathered["temp_bytes"] < by["blockwise"]["temp_bytes"] / 2
     assert res["longest_fitting"] == {"blockwise": 512, "ring": 512, "all_gather": 512}
     assert "all_gather" in bench.format_result({"benchmark": "context", **res})
+
+
+def test_attention_memory_check_counts_each_devices_share_of_the_scores(monkeypatch, devices):
+    """The pre-flight check of the xla attention's scores took the whole sequence's [rows, heads,
+    seq, seq] under context parallelism too, so it refused a ring run whose [run, run] tiles
+    (zigzag: seq / 16 at context 8) fit with room to spare, advising the mesh.context it already
+    had. Against the compiler's own figure: the compiled step fits in the budget it was refused."""
+    from jaxpar.train import preflight
+    seq = 4096
+    tr = Trainer(tiny_config("mesh.data=1", "mesh.context=8", "train.global_batch=1", f"train.seq_len={seq}",
+                             "model.attention=xla", "model.n_layers=1"), devices=devices, log=lambda s: None)
+    mem = tr.compile().memory_analysis()
+    need = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+    heads = tr.cfg.model.n_heads
+    assert heads * seq * seq * 4 > 2 * need  # the whole sequence's scores would not fit
+    monkeypatch.setattr(preflight, "device_memory_bytes", lambda d: (2 * need, "a test device"))
+    preflight.check_attention_fits(tr.cfg, tr.plan)
+    tile = seq // 16
+    monkeypatch.setattr(preflight, "device_memory_bytes", lambda d: (heads * tile * tile * 4 - 1, "a test device"))
+    with pytest.raises(ConfigError, match=rf"ring attention's float32 score tiles \[1, {heads}, {tile}, {tile}\]"):
+        preflight.check_attention_fits(tr.cfg, tr.plan)

@@ -17,6 +17,7 @@ import numpy as np
 from jaxpar.attention import resolve
 from jaxpar.config import Config, ConfigError
 from jaxpar.metrics.memory import compiled_memory, device_memory_bytes
+from jaxpar.parallel.context import ring_tile
 from jaxpar.sharding import Plan
 from jaxpar.train.precision import DTYPES
 
@@ -50,23 +51,45 @@ def local_rows(cfg: Config, plan: Plan) -> int:
     return max(1, cfg.train.global_batch // (plan.batch_size_divisor * cfg.train.grad_accum))
 
 
-def check_attention_fits(cfg: Config, plan: Plan) -> None:
-    """ConfigError when the xla attention's float32 [rows, heads, seq, seq] scores of one layer
-    alone exceed a device's memory (before compiling)."""
+def attention_scores(cfg: Config, plan: Plan, device) -> tuple[str, str, list[int]] | None:
+    """(implementation, what, shape) of the largest float32 scores one layer's attention holds
+    on a device, or None where it never holds O(seq^2) of them (blockwise, cudnn). Under context
+    parallelism a device's share: the ring's (and all_gather's) [tile, tile] blocks of its runs,
+    all_to_all's whole-sequence scores of its heads over context."""
     m, t = cfg.model, cfg.train
+    sizes = plan.mesh.shape
+    c, heads = sizes.get("context", 1), max(1, m.n_heads // sizes.get("tensor", 1))
+    rows = local_rows(cfg, plan)
+    if c > 1 and cfg.context.strategy in ("ring", "all_gather"):
+        run = t.seq_len // (2 * c if cfg.context.layout == "zigzag" else c)
+        tile = ring_tile(m.attention, run, m.attention_block, t.seq_len, m.attention_threshold)
+        if tile != run:  # blockwise tiles
+            return None
+        return "xla", f"{cfg.context.strategy} attention's float32 score tiles", [rows, heads, tile, tile]
+    name = _attention(cfg, device)
+    if name != "xla":
+        return None
+    if c > 1:  # all_to_all: whole sequences, the heads split over context
+        heads = max(1, heads // c)
+    return name, "xla attention's float32 scores", [rows, heads, t.seq_len, t.seq_len]
+
+
+def check_attention_fits(cfg: Config, plan: Plan) -> None:
+    """ConfigError when the attention's float32 scores of one layer alone (attention_scores)
+    exceed a device's memory (before compiling)."""
+    t = cfg.train
     device = plan.mesh.devices.flat[0]
     budget, where = device_memory_bytes(device)
-    name = _attention(cfg, device)
-    if budget is None or name != "xla":
+    found = attention_scores(cfg, plan, device)
+    if budget is None or found is None:
         return
-    heads = max(1, m.n_heads // plan.mesh.shape.get("tensor", 1))
-    rows = local_rows(cfg, plan)
-    scores = rows * heads * t.seq_len**2 * 4
+    name, what, shape = found
+    scores = int(np.prod(shape)) * 4
     if scores > budget:
         raise ConfigError(
-            f"train.seq_len={t.seq_len} does not fit: the xla attention's float32 scores [{rows}, {heads}, "
-            f"{t.seq_len}, {t.seq_len}] take {scores / GIB:.1f} GiB per device for one layer, above the "
-            f"{budget / GIB:.1f} GiB a device has ({where}); use {_fixes(cfg, plan, name)}")
+            f"train.seq_len={t.seq_len} does not fit: the {what} {shape} take {scores / GIB:.1f} GiB per "
+            f"device for one layer, above the {budget / GIB:.1f} GiB a device has ({where}); use "
+            f"{_fixes(cfg, plan, name)}")
 
 
 def check_activations_fit(cfg: Config, plan: Plan) -> None:
