@@ -58,7 +58,8 @@ def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs
     `segments` a bool (SEGMENTS or none) or an array of ids; `xs` (q, k, v, do) or `inputs`;
     `jaxpr` a list that receives the step's jaxpr."""
     mesh = Mesh(np.array(devices[:cp.size]), ("context",))
-    order = gathered_order(cp.layout, cp.size, S)  # the devices' tokens, concatenated
+    q, k, v, do = xs or inputs(heads, kv_heads)
+    order = gathered_order(cp.layout, cp.size, q.shape[1])  # the devices' tokens, concatenated
     hook = cp.attention()
 
     def local(q, k, v, do, seg):
@@ -68,7 +69,6 @@ def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs
 
     spec = P(None, "context")
     run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4))
-    q, k, v, do = xs or inputs(heads, kv_heads)
     ids = SEGMENTS if segments is True else (segments if segments is not False else None)
     seg = None if ids is None else jnp.asarray(np.asarray(ids)[:, order])
     args = (*(x[:, order] for x in (q, k, v, do)), seg)
@@ -135,6 +135,25 @@ def test_ring_tile_larger_than_a_run(devices):
     got = sharded(ContextParallel(4, "ring", "zigzag"), devices, 8, 4, True, block=5)
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference(8, 4, True)):
         assert_close(g, r, what=name)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize("layout, seq, block, tile", [("zigzag", 56, 3, 3), ("contiguous", 56, 4, 4)])
+def test_ring_tile_when_no_divisor_of_the_run_is_near_the_block(strategy, layout, seq, block, tile, devices):
+    """Runs of 7 (zigzag) or 14 (contiguous) tokens at context 4: the tile was the largest
+    divisor of the run up to model.attention_block, 1 for 7 and 2 for 14 (a prime run of 1031
+    at block 512: 1031^2 tiles of one token per chunk and layer). Now as few tiles <= block as
+    cover the run, the run padded; outputs and gradients equal xla's on one device."""
+    seen = []
+    q, k, v, do = (jax.random.normal(key, (B, seq, h, D)) for key, h in
+                   zip(jax.random.split(jax.random.PRNGKey(1), 4), (8, 4, 4, 8)))
+    seg = np.array([[0] * 20 + [1] * 17 + [2] * 19, [5] * seq], np.int32)
+    got = sharded(ContextParallel(4, strategy, layout), devices, 8, 4, seg, block=block, xs=(q, k, v, do),
+                  jaxpr=seen)
+    out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, jnp.asarray(seg)), q, k, v)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(do))):
+        assert_close(g, r, what=f"{strategy} {layout} {name}")
+    assert score_tiles(seen[0]) == {(tile, tile)}, score_tiles(seen[0])
 
 
 def test_ring_never_reads_a_tile_no_segment_shares(devices):

@@ -285,36 +285,68 @@ def ulysses_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementati
 
 
 class Ring(NamedTuple):
-    """Static shape of a ring call: ring size, layout, tiles (bq queries, bk keys), scale;
-    `gather`: every device's K and V gathered at once (context.strategy all_gather) instead of
-    passed around the ring, the same chunk order, and dK, dV sent home at the end by one
-    all-to-all: collectives within the context group, which a pipeline stage's branch can hold
-    (a ring's collective-permute cannot)."""
+    """Static shape of a ring call: ring size, layout, tiles (bq queries, bk keys), scale, the
+    tokens of each of a device's runs (`run`, each padded to a whole number of tiles:
+    `padded`); `gather`: every device's K and V gathered at once (context.strategy all_gather)
+    instead of passed around the ring, the same chunk order, and dK, dV sent home at the end by
+    one all-to-all: collectives within the context group, which a pipeline stage's branch can
+    hold (a ring's collective-permute cannot)."""
     size: int
     layout: str
     bq: int
     bk: int
     scale: float
+    run: int
     gather: bool = False
+
+    @property
+    def padded(self) -> int:
+        return -(-self.run // self.bq) * self.bq
 
     def perm(self):
         return [(i, (i + 1) % self.size) for i in range(self.size)]
 
-    def query_positions(self, local: int):
-        """[nq, bq] global positions of this device's queries (`local` tokens of a sequence)."""
-        me = jax.lax.axis_index(AXIS)
-        return device_positions(self.layout, self.size, local * self.size, me).reshape(-1, self.bq)
+    def _positions(self, device, fill: int):
+        """[tiles, bq] global positions of `device`'s tokens, each run's padding at `fill`."""
+        runs = 2 if self.layout == "zigzag" else 1
+        pos = device_positions(self.layout, self.size, runs * self.run * self.size, device)
+        pad = ((0, 0), (0, self.padded - self.run))
+        pos = jnp.pad(pos.reshape(runs, self.run), pad, constant_values=fill)
+        return pos.reshape(-1, self.bq)
 
-    def key_positions(self, step, local: int):
+    def query_positions(self):
+        """[nq, bq] global positions of this device's queries; padding at -1 (it sees no key)."""
+        return self._positions(jax.lax.axis_index(AXIS), -1)
+
+    def key_positions(self, step):
         """[nk, bk] global positions of the chunk a device holds after `step` ring steps (its
-        owner is `step` devices before it)."""
+        owner is `step` devices before it); padding after every query (no query sees it)."""
         owner = (jax.lax.axis_index(AXIS) - step) % self.size
-        return device_positions(self.layout, self.size, local * self.size, owner).reshape(-1, self.bk)
+        return self._positions(owner, jnp.iinfo(jnp.int32).max)
 
 
 def _tile(n: int, block: int) -> int:
-    """The largest tile <= block that divides n."""
-    return max(t for t in range(1, min(n, block) + 1) if n % t == 0)
+    """The tile of a run of n tokens: as few tiles <= block as cover it, of equal size (a run
+    that no tile near `block` divides is padded by fewer tokens than it has tiles, where the
+    largest divisor <= block could be 1: a prime run of 1031 tokens in 1031^2 tiles of 1)."""
+    return -(-n // -(-n // block))
+
+
+def _pad_runs(x, runs: int, run: int, padded: int, fill=0):
+    """[b, runs * run, ...] -> [b, runs * padded, ...], each run padded at its end with `fill`."""
+    if x is None or padded == run:
+        return x
+    y = x.reshape(x.shape[0], runs, run, *x.shape[2:])
+    y = jnp.pad(y, [(0, 0), (0, 0), (0, padded - run)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return y.reshape(x.shape[0], runs * padded, *x.shape[2:])
+
+
+def _unpad_runs(x, runs: int, run: int, padded: int):
+    """The inverse of _pad_runs."""
+    if padded == run:
+        return x
+    y = x.reshape(x.shape[0], runs, padded, *x.shape[2:])[:, :, :run]
+    return y.reshape(x.shape[0], runs * run, *x.shape[2:])
 
 
 def _blocked(x, size: int):
@@ -392,16 +424,15 @@ def _home(x):
 
 
 def _gathered_forward(r: Ring, qb, kb, vb, qs, ks):
-    local = qb.shape[0] * r.bq
     me = jax.lax.axis_index(AXIS)
-    qp = r.query_positions(local)
+    qp = r.query_positions()
     state = vary_together(init_state(qb), qb, kb, vb, qs, ks, qp)
     kv = tuple(_every_device(x, r.size) for x in (kb, vb, ks))
 
     def step(state, t):  # the ring's order: the chunk of the device t before this one
         owner = (me - t) % r.size
         return _chunk_forward(r, state, qb, _at(kv[0], owner), _at(kv[1], owner), qp,
-                              r.key_positions(t, local), qs, _at(kv[2], owner)), None
+                              r.key_positions(t), qs, _at(kv[2], owner)), None
 
     state, _ = jax.lax.scan(step, state, np.arange(r.size, dtype=np.int32))
     return finish(state, qb.dtype)
@@ -409,9 +440,8 @@ def _gathered_forward(r: Ring, qb, kb, vb, qs, ks):
 
 def _gathered_bwd(r: Ring, res, do):
     qb, kb, vb, qs, ks, o, lse = res
-    local = qb.shape[0] * r.bq
     me = jax.lax.axis_index(AXIS)
-    qp = r.query_positions(local)
+    qp = r.query_positions()
     delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
     kv = tuple(_every_device(x, r.size) for x in (kb, vb, ks))
     dq = jnp.zeros(qb.shape, F32)
@@ -422,7 +452,7 @@ def _gathered_bwd(r: Ring, res, do):
         dq, (dk, dv) = carry
         owner = (me - t) % r.size
         dq, gk, gv = _chunk_backward(r, (dq, _at(dk, owner), _at(dv, owner)), qb, _at(kv[0], owner),
-                                     _at(kv[1], owner), do, lse, delta, qp, r.key_positions(t, local),
+                                     _at(kv[1], owner), do, lse, delta, qp, r.key_positions(t),
                                      qs, _at(kv[2], owner))
         put = lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, g, owner, 0)
         return (dq, (put(dk, gk), put(dv, gv))), None
@@ -434,19 +464,18 @@ def _gathered_bwd(r: Ring, res, do):
 def _ring_forward(r: Ring, qb, kb, vb, qs, ks):
     if r.gather:
         return _gathered_forward(r, qb, kb, vb, qs, ks)
-    local = qb.shape[0] * r.bq
-    qp = r.query_positions(local)
+    qp = r.query_positions()
     state = vary_together(init_state(qb), qb, kb, vb, qs, ks, qp)
     send = lambda x: jax.tree.map(lambda a: jax.lax.ppermute(a, AXIS, r.perm()), x)
 
     def step(carry, t):
         state, kv = carry
-        state = _chunk_forward(r, state, qb, kv[0], kv[1], qp, r.key_positions(t, local), qs, kv[2])
+        state = _chunk_forward(r, state, qb, kv[0], kv[1], qp, r.key_positions(t), qs, kv[2])
         return state, send(kv)
 
     kv = vary_together((kb, vb, ks), state)
     state, kv = loop(np.arange(r.size - 1, dtype=np.int32), step, (state, kv))
-    state = _chunk_forward(r, state, qb, kv[0], kv[1], qp, r.key_positions(r.size - 1, local), qs, kv[2])
+    state = _chunk_forward(r, state, qb, kv[0], kv[1], qp, r.key_positions(r.size - 1), qs, kv[2])
     return finish(state, qb.dtype)
 
 
@@ -464,8 +493,7 @@ def _ring_bwd(r, res, do):
     if r.gather:
         return _gathered_bwd(r, res, do)
     qb, kb, vb, qs, ks, o, lse = res
-    local = qb.shape[0] * r.bq
-    qp = r.query_positions(local)
+    qp = r.query_positions()
     delta = jnp.sum(do.astype(F32) * o.astype(F32), axis=-1)
     dq = jnp.zeros(qb.shape, F32)
     dkv = (jnp.zeros(kb.shape, F32), jnp.zeros(vb.shape, F32))
@@ -474,7 +502,7 @@ def _ring_bwd(r, res, do):
 
     def grads_of(t, dq, dkv, kv):
         dq, dk, dv = _chunk_backward(r, (dq, *dkv), qb, kv[0], kv[1], do, lse, delta, qp,
-                                     r.key_positions(t, local), qs, kv[2])
+                                     r.key_positions(t), qs, kv[2])
         return dq, (dk, dv)
 
     def step(carry, t):  # the chunk and its gradient so far move on together
@@ -491,15 +519,20 @@ def _ring_bwd(r, res, do):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_tile(implementation: str, run: int, block: int, seq: int, threshold: int) -> int:
-    """The ring's [tile, tile] score blocks for model.attention: `xla` one per pair of runs (the
-    whole scores of a chunk against a chunk, as xla holds them), `blockwise` model.attention_block
-    (the largest divisor of the run up to it), `auto` as the implementation auto picks for the
-    whole sequence (cuDNN cannot fold into the ring's online softmax: blockwise). A tile never
-    straddles two runs."""
+def ring_implementation(implementation: str, seq: int, threshold: int) -> str:
+    """What the ring's tiles are for model.attention: `auto` as the implementation auto picks
+    for the whole sequence (cuDNN cannot fold into the ring's online softmax: blockwise)."""
     if implementation == "auto":
-        implementation = "blockwise" if seq >= threshold else "xla"
-    return run if implementation == "xla" else _tile(run, block)
+        return "blockwise" if seq >= threshold else "xla"
+    return implementation
+
+
+def ring_tile(implementation: str, run: int, block: int, seq: int, threshold: int) -> int:
+    """The ring's [tile, tile] score blocks for model.attention (ring_implementation): `xla` one
+    per pair of runs (the whole scores of a chunk against a chunk, as xla holds them),
+    `blockwise` at most model.attention_block (`_tile`: the run padded to whole tiles). A tile
+    never straddles two runs."""
+    return run if ring_implementation(implementation, seq, threshold) == "xla" else _tile(run, block)
 
 
 def ring_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation: str = "blockwise",
@@ -510,13 +543,15 @@ def ring_attention(cp: ContextParallel, q, k, v, segment_ids, *, implementation:
     own (blockwise's), so `layout` (for cudnn) does not apply."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
-    run = s // 2 if cp.layout == "zigzag" else s
+    runs = cp.runs
+    run = s // runs
     bq = ring_tile(implementation, run, block, s * cp.size, threshold)
-    r = Ring(cp.size, cp.layout, bq, bq, d ** -0.5, cp.strategy == "all_gather")
-    seg = None if segment_ids is None else _blocked(segment_ids.astype(jnp.int32), bq)
-    qb = _blocked(q.reshape(b, s, kvh, h // kvh, d), bq)
-    o = _ring(r, qb, _blocked(k, bq), _blocked(v, bq), seg, seg)
-    return _unblocked(o).reshape(b, s, h, d)
+    r = Ring(cp.size, cp.layout, bq, bq, d ** -0.5, run, cp.strategy == "all_gather")
+    pad = lambda x, fill=0: _pad_runs(x, runs, run, r.padded, fill)
+    seg = None if segment_ids is None else _blocked(pad(segment_ids.astype(jnp.int32), -1), bq)
+    qb = _blocked(pad(q.reshape(b, s, kvh, h // kvh, d)), bq)
+    o = _ring(r, qb, _blocked(pad(k), bq), _blocked(pad(v), bq), seg, seg)
+    return _unpad_runs(_unblocked(o), runs, run, r.padded).reshape(b, s, h, d)
 
 
 def ring_bytes(cfg, seq: int, batch: int, itemsize: int) -> dict[str, float]:

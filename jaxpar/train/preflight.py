@@ -17,7 +17,7 @@ import numpy as np
 from jaxpar.attention import resolve
 from jaxpar.config import Config, ConfigError
 from jaxpar.metrics.memory import compiled_memory, device_memory_bytes
-from jaxpar.parallel.context import ring_tile
+from jaxpar.parallel.context import ring_implementation
 from jaxpar.sharding import Plan
 from jaxpar.train.precision import DTYPES
 
@@ -62,10 +62,9 @@ def attention_scores(cfg: Config, plan: Plan, device) -> tuple[str, str, list[in
     rows = local_rows(cfg, plan)
     if c > 1 and cfg.context.strategy in ("ring", "all_gather"):
         run = t.seq_len // (2 * c if cfg.context.layout == "zigzag" else c)
-        tile = ring_tile(m.attention, run, m.attention_block, t.seq_len, m.attention_threshold)
-        if tile != run:  # blockwise tiles
-            return None
-        return "xla", f"{cfg.context.strategy} attention's float32 score tiles", [rows, heads, tile, tile]
+        if ring_implementation(m.attention, t.seq_len, m.attention_threshold) != "xla":
+            return None  # blockwise tiles
+        return "xla", f"{cfg.context.strategy} attention's float32 score tiles", [rows, heads, run, run]
     name = _attention(cfg, device)
     if name != "xla":
         return None
