@@ -333,3 +333,42 @@ def allgather_json(obj, name: str = "allgather"):
     buf[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(buf))
     return [json.loads(bytes(r[:n].astype(np.uint8)).decode()) for r, n in zip(rows, sizes)]
+
+
+def same_config_on_every_process(cfg) -> None:
+    """Every process must train one config (its `distributed` section aside): with another
+    train.steps, mesh or run_dir on one process the processes compile different programs, whose
+    collectives never meet, and the run hung at its first step. Compared through the coordination
+    service (no collective, nothing compiled), so a mismatch is one error on every process."""
+    import json
+
+    import jax
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as dist
+    client = dist.global_state.client
+    if client is None:
+        return
+    mine = {k: v for k, v in cfg.model_dump(mode="json").items() if k != "distributed"}
+    prefix = f"jaxpar:config:{next(_barrier_ids)}/"
+    client.key_value_set(prefix + str(jax.process_index()), json.dumps(mine, sort_keys=True))
+    barrier("config")
+    configs = {int(k.rpartition("/")[2]): _flat(json.loads(v)) for k, v in client.key_value_dir_get(prefix)}
+    ref = configs[0]
+    differ = sorted({k for c in configs.values() for k in set(c) | set(ref) if c.get(k) != ref.get(k)})
+    if differ:
+        shown = "; ".join(f"{k}: " + ", ".join(f"{json.dumps(c.get(k))} on process {p}"
+                                               for p, c in sorted(configs.items())) for k in differ[:5])
+        more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+        raise ConfigError(f"the processes were started with different configs: {shown}{more}; every process "
+                          f"must get the same config and overrides (only `distributed` may differ)")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out

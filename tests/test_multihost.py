@@ -302,3 +302,33 @@ def test_launch_restarts_and_shrinks_when_a_rank_cannot_come_back(tmp_path):
     assert rc == 3 and "no --max-restarts" in out, out
     rc, out = _launch(tmp_path, "config", "--max-restarts", "2")
     assert rc == 2 and "a configuration error" in out and "attempt 1" not in out, out
+
+
+DIFFERENT_STEPS = textwrap.dedent("""\
+    import os, sys
+    from jaxpar.cli import main
+    rank = int(os.environ["JAXPAR_PROCESS_ID"])
+    sys.exit(main(["train", sys.argv[1], f"run_dir={sys.argv[2]}", f"train.steps={3 + rank}"]))
+""")
+
+
+def test_processes_with_different_configs_fail_at_once_naming_the_difference(tmp_path):
+    """train.steps=3 on process 0 and 4 on process 1 (a per-host override gone wrong): they
+    compiled different programs and the run hung at its first step; now every process exits with
+    code 2 naming the setting, before anything compiles, and the launcher does not restart."""
+    from tests.run_configs import layout_run_yaml
+    (tmp_path / "run.yaml").write_text(layout_run_yaml("mismatch", 4, "every: 100"))
+    (tmp_path / "child.py").write_text(DIFFERENT_STEPS)
+    cmd = [sys.executable, "-m", "jaxpar.cli", "launch", "--nprocs", "2", "--devices-per-proc", "4",
+           "--max-restarts", "1", "--kill-timeout", "2", "--", "python", str(tmp_path / "child.py"),
+           str(tmp_path / "run.yaml"), str(tmp_path / "runs")]
+    try:
+        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"a run with different configs hung: {e.stdout}") from None
+    assert r.returncode == 2, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert (f"[{rank}] jaxpar: error: the processes were started with different configs: "
+                f"train.steps: 3 on process 0, 4 on process 1;") in r.stdout, r.stdout
+    assert "a configuration error (restarting would repeat it)" in r.stdout and "attempt 1" not in r.stdout
+    assert not (tmp_path / "runs" / "mismatch" / "metrics.jsonl").exists()

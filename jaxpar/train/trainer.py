@@ -18,7 +18,7 @@ from jaxpar.checkpoint import (Checkpointer, Preemption, ResumePlan, checkpoint_
                                layout_meta, plan_resume)
 from jaxpar.config import Config, ConfigError
 from jaxpar.data import DataLoader, build_source
-from jaxpar.distributed import barrier, initialize
+from jaxpar.distributed import barrier, initialize, same_config_on_every_process
 from jaxpar.hf.init import init_config, initial_params
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import (compiled_memory, format_banner, generic_flops_per_token, llama_flops_per_token,
@@ -68,6 +68,7 @@ class Trainer:
         self.cfg = cfg = init_config(self.cfg)  # train.init_from fills model.*
         apply_xla_flags(cfg, log=self.log)  # before JAX starts (scripts too, not only the CLI)
         initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
+        same_config_on_every_process(cfg)  # else different programs: the first step hangs
         # mesh: auto & co.: the planner chooses for these devices (jaxpar train resolves earlier)
         self.cfg = cfg = self._resolve_auto(cfg)
         self.mesh = build_mesh(cfg.mesh, self.devices)
@@ -582,6 +583,7 @@ def run(cfg: Config, log: Callable[[str], None] = print, callbacks: list | None 
     entered = time.time()  # the start event's time (written once process 0 is known)
     initialize(cfg.distributed)  # several processes: before the first JAX call (no-op otherwise)
     cfg = init_config(cfg)  # train.init_from fills model.* (saved in config.yaml, checked on resume)
+    same_config_on_every_process(cfg)  # before anything reads checkpoints or compiles
     if cfg.checkpoint.enabled:  # a checkpoint dir that cannot be written fails before compiling
         ensure_writable(checkpoint_dir(cfg), cfg)
     replanned = bool(cfg.auto_fields())
