@@ -702,7 +702,8 @@ class DistributedConfig(Strict):
     cluster_detection: Literal["slurm", "ompi", "mpi4py", "k8s"] | None = None
     local_device_ids: list[int] | None = None
     coordinator_bind_address: str | None = Field(None, description="host:port process 0 listens "
-                                                 "on (default: every interface, the address's port)")
+                                                 "on (default: the coordinator address when it is a "
+                                                 "loopback one, else every interface, its port)")
     initialization_timeout_s: int = Field(300, gt=0)
     heartbeat_timeout_s: int = Field(100, gt=0)
     shutdown_timeout_s: int = Field(300, gt=0)

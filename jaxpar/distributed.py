@@ -15,6 +15,7 @@ process a little before that with a message naming the settings and what to chec
 """
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
 import socket
@@ -103,7 +104,7 @@ def resolve(cfg: DistributedConfig, environ: Mapping[str, str] | None = None) ->
         "config distributed." + "/".join(from_cfg) if from_cfg else "",
         "environment " + "/".join(_env_name(k) for k in from_env) if from_env else ""]))
     common = dict(local_device_ids=tuple(cfg.local_device_ids) if cfg.local_device_ids is not None else None,
-                  bind_address=cfg.coordinator_bind_address or env.get(ENV_BIND) or None,
+                  bind_address=cfg.coordinator_bind_address or env.get(ENV_BIND) or _loopback(addr),
                   timeout_s=cfg.initialization_timeout_s, heartbeat_s=cfg.heartbeat_timeout_s,
                   shutdown_s=cfg.shutdown_timeout_s, cpu_collectives=cfg.cpu_collectives)
     if addr is not None:
@@ -138,6 +139,19 @@ def resolve(cfg: DistributedConfig, environ: Mapping[str, str] | None = None) ->
             "distributed.coordinator_address/num_processes/process_id (or the JAXPAR_* environment), "
             "run under srun / mpirun, or set distributed.cluster_detection")
     return None
+
+
+def _loopback(addr: str | None) -> str | None:
+    """`addr` when its host is this machine's loopback, so process 0 listens there only: jax's
+    default bind is every interface, which put the (unauthenticated) coordination service of a
+    127.0.0.1 run on the network though no other machine could take part. Else None (jax's)."""
+    if addr is None:
+        return None
+    host = addr.rpartition(":")[0].strip("[]")
+    try:
+        return addr if host == "localhost" or ipaddress.ip_address(host).is_loopback else None
+    except ValueError:  # a host name: its machine's interfaces are unknown here
+        return None
 
 
 def _env_name(key: str) -> str:

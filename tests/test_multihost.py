@@ -183,6 +183,48 @@ def test_coordinator_port_in_use_is_a_clear_error():
     assert r.returncode != 0 and "the port is in use" in r.stderr and "Check failure" not in r.stderr, r.stderr
 
 
+def _listening(port: int) -> list:
+    """The addresses a TCP listener on `port` is bound to (Linux /proc/net)."""
+    import ipaddress
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hex_port = local.partition(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(addr)  # 32-bit words in host (little-endian) order
+                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                found.append(getattr(ip, "ipv4_mapped", None) or ip)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net")
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_a_loopback_coordinator_listens_on_loopback_only(host):
+    """distributed.coordinator_address=127.0.0.1:PORT without a bind address: jax's default
+    bind ([::]:PORT, every interface) put the coordination service on the network, though only
+    this machine's processes can reach 127.0.0.1. Process 0 now listens where the address says,
+    as `jaxpar launch` does; the processes still join."""
+    port = free_port()
+    args = [f"distributed.coordinator_address={host}:{port}", "distributed.num_processes=2",
+            "distributed.initialization_timeout_s=60"]
+    first = subprocess.Popen([sys.executable, "-c", INIT, *args, "distributed.process_id=0"], env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening(port) and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.1)
+        bound = _listening(port)
+        assert bound and all(ip.is_loopback for ip in bound), bound
+        second = subprocess.run([sys.executable, "-c", INIT, *args, "distributed.process_id=1"], env=_env(),
+                                capture_output=True, text=True, timeout=90)
+        out = first.communicate(timeout=60)[0]
+    finally:
+        first.kill()
+    assert second.returncode == 0 and first.returncode == 0, second.stdout + second.stderr + out
+    assert "devices 4" in out and "devices 4" in second.stdout
+
+
 # ---------------------------------------------------------------- the launcher (small children)
 
 CHILD = textwrap.dedent("""\
