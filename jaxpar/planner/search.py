@@ -239,8 +239,12 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
             key = (tuple(mesh.values()), layout.zero_stage, layout.micro > 1)
             if key not in state_cache:
                 state_cache[key] = state_terms(c, layout, model)
-            mem = estimate(c, layout, model, state_cache[key], cluster.platform)
-            if mem["total"] > budget:
+            st = state_cache[key]
+            # the state alone over the budget: no activation term can bring the total under it
+            # (most layouts of a large model on many devices, and the search's costliest step)
+            over = st["params"] + st["opt_state"] + st["sync_state"] > budget
+            mem = None if over else estimate(c, layout, model, st, cluster.platform)
+            if over or mem["total"] > budget:
                 result.rejected.setdefault(
                     f"memory: needs more than {HEADROOM:.0%} of {cluster.memory_gib:g} GiB per device",
                     []).append(layout)
@@ -248,7 +252,7 @@ def search(cfg: Config, cluster: Cluster, model, *, fixed: dict[str, int] | None
             comm = step_collectives(c, layout, model, abstract_plan(c, layout), sync_cache,
                                     cluster.platform, clock)
             result.ranked.append(Scored(layout, mem, comm, step_time(c, layout, model, cluster, comm,
-                                                                   state_cache[key], clock)))
+                                                                   st, clock)))
         meshes_with_options += result.considered > before
     if not result.considered or (meshes_past_checks and not meshes_with_options):  # none left to score
         sizes = " ".join(f"mesh.{a}={n}" for a, n in (fixed or {}).items()) or "(none)"
