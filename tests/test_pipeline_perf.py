@@ -2,6 +2,8 @@
 its stage's forward again (XLA's cost_analysis FLOPs); zb_h1's backward splits into an input half
 without the weight gradients and a weight half with only them; the gradients of both still equal
 the one-device step's."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -222,27 +224,50 @@ def test_stash_references_params_not_copies():
     np.testing.assert_allclose(dx, g @ w.T, rtol=1e-5)
 
 
+# a model whose weights outweigh a microbatch's activations (dim 256, ffn 1024, 16 tokens a row),
+# data 4 x pipeline 2, m 4: the bf16 stash test compiles it in float32 and bfloat16, and the
+# residual ring test reads the float32 program's HLO (the same layout and schedule it needs)
+STASH_LAYOUT = ["mesh.data=4", "mesh.pipeline=2", "train.grad_accum=4", "model.dim=256", "model.ffn_dim=1024",
+                "model.n_layers=4", "train.seq_len=16"]
+
+
+@functools.cache
+def _stash_programs(schedule: str, devices: tuple) -> dict:
+    """{dtype: (the compiled step's temp bytes, its HLO text, the shapes StashPlan.split kept,
+    the layer params its vjps referenced)} of STASH_LAYOUT with `schedule`, float32 and bf16
+    compute (computed once per process: two tests read them; treat the result as read-only)."""
+    from unittest import mock
+
+    from jaxpar.parallel.pipeline.residuals import StashPlan
+    from jaxpar.train.trainer import Trainer
+    from tests.conftest import tiny_config
+    split, out = StashPlan.split, {}
+    for dtype in ("float32", "bfloat16"):
+        shapes, refs = set(), set()
+
+        def recording(plan, fn, known):
+            kept = split(plan, fn, known)
+            shapes.update(tuple(a.shape) for a in kept)
+            refs.add(tuple(sorted(r[1] for r in plan.refs if r and r[0] == "lay")))
+            return kept
+        with mock.patch.object(StashPlan, "split", recording):
+            cfg = tiny_config(*STASH_LAYOUT, f"pipeline.schedule={schedule}", f"train.compute_dtype={dtype}")
+            compiled = Trainer(cfg, devices=list(devices), log=lambda s: None).compile()
+        out[dtype] = (compiled.memory_analysis().temp_size_in_bytes, compiled.as_text(), shapes, refs)
+    return out
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_a_bf16_stage_stashes_no_copy_of_its_weights(schedule, devices, monkeypatch):
+def test_a_bf16_stage_stashes_no_copy_of_its_weights(schedule, devices):
     """bf16 compute of float32 params: the layer stacks are cast once for the step, outside every
     tick and vjp, so a stage's vjp references the cast weights as it references float32 ones,
     and a microbatch in flight stashes activations only. Cast inside (per layer, in the layer
     scan), every cast was a residual: a bf16 copy of the stage's weights per microbatch in
     flight, compiled temp 49.3 MiB here against float32's 27.4 (2026-12-07; 24.2 since). A
-    model whose weights outweigh a microbatch's activations (dim 256, ffn 1024, 16 tokens a row)."""
-    from jaxpar.parallel.pipeline.residuals import StashPlan
-    split, refs = StashPlan.split, {}
-
-    def recording(plan, fn, known):
-        kept = split(plan, fn, known)
-        refs.setdefault(dtype, set()).add(tuple(sorted(r[1] for r in plan.refs if r and r[0] == "lay")))
-        return kept
-    monkeypatch.setattr(StashPlan, "split", recording)
-    layout = ["mesh.data=4", "mesh.pipeline=2", "train.grad_accum=4", "model.dim=256", "model.ffn_dim=1024",
-              "model.n_layers=4", "train.seq_len=16", f"pipeline.schedule={schedule}"]
-    temp = {}
-    for dtype in ("float32", "bfloat16"):
-        temp[dtype] = temp_bytes(layout + [f"train.compute_dtype={dtype}"], devices)
+    model whose weights outweigh a microbatch's activations (STASH_LAYOUT)."""
+    programs = _stash_programs(schedule, tuple(devices))
+    temp = {dtype: programs[dtype][0] for dtype in programs}
+    refs = {dtype: programs[dtype][3] for dtype in programs}
     # the matmul weights: referenced in float32, and in bf16 the same
     (f32,) = refs["float32"]
     assert {n for _, n in f32} >= {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}, f32
@@ -310,28 +335,19 @@ def test_split_w_recomputes_the_swiglu_cotangents_from_the_one_at_its_output():
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
-def test_the_residual_ring_holds_only_the_timetables_slots(schedule, devices, monkeypatch):
+def test_the_residual_ring_holds_only_the_timetables_slots(schedule, devices):
     """Only a forward tick stashes residuals, and it files them under a cond: the runner's ring
     holds the timetable's slots, each residual leaf [slots, layers, ...] with slots =
     n_r_slots. Until 2026-12-07 every tick filed its branch's residuals (the other branches'
     zeros) into a spare slot: a whole stage's residuals more on every device (XLA:CPU, data 2 x
     pipeline 4, m 8, 1f1b: 25.85 -> 23.51 MiB compiled temp). The tick files every ring it
-    writes in one switch."""
-    from jaxpar.parallel.pipeline.residuals import StashPlan
+    writes in one switch. Read off the float32 program the bf16 stash test compiles (data 4 x
+    pipeline 2, m 4: the layout this check needs; its wider model changes no ring's slots)."""
     from jaxpar.parallel.pipeline.schedule import build_timetable
-    from jaxpar.train.trainer import Trainer
     from tests.conftest import tiny_config
-    split, shapes = StashPlan.split, set()
-
-    def recording(plan, fn, known):
-        kept = split(plan, fn, known)
-        shapes.update(tuple(a.shape) for a in kept)
-        return kept
-    monkeypatch.setattr(StashPlan, "split", recording)
-    p, m = 2, 4
-    cfg = tiny_config("mesh.data=4", f"mesh.pipeline={p}", f"train.grad_accum={m}", "model.n_layers=4",
-                      f"pipeline.schedule={schedule}")
-    hlo = Trainer(cfg, devices=devices, log=lambda s: None).compile().as_text()
+    _, hlo, shapes, _ = _stash_programs(schedule, tuple(devices))["float32"]
+    cfg = tiny_config(*STASH_LAYOUT, f"pipeline.schedule={schedule}")
+    p, m = cfg.mesh.pipeline, cfg.train.grad_accum
     n_r = build_timetable(schedule, p, m).n_r_slots
     assert shapes and n_r == (3 if schedule == "1f1b" else 2)
     # the split records one layer's leaves (its layer scan stacks them); the plain vjp a stage's
