@@ -1,4 +1,6 @@
 """Local SGD, and 1-bit Adam's layout check (its training tests share test_compression's runs)."""
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -39,33 +41,39 @@ def local_sgd(devices):
     return train(["local_sgd.sync_every=2", "train.steps=3"], devices)
 
 
-def replica_spread(state):
-    return max(float(np.abs(np.asarray(x) - np.asarray(x)[:1]).max()) for x in jax.tree.leaves(state["local"]["params"]))
-
-
-def test_local_sgd_replicas_step_alone_then_average(local_sgd):
-    t, state, losses = local_sgd
-    assert losses[-1] < losses[0] - 0.05, losses
-    leaf = jax.tree.leaves(state["local"]["params"])[0]
-    assert leaf.shape[0] == 8 and leaf.sharding.spec[0] == "data"
-    assert replica_spread(state) > 0  # step 3: one step since the last sync, replicas differ
-    steps = t.cfg.train.steps
-    t.cfg.train.steps = 2
-    synced, _ = t.fit(progress=False)
-    t.cfg.train.steps = steps
-    assert replica_spread(synced) == 0  # step 2 synced: every replica restarts from the average
-    for p, r in zip(jax.tree.leaves(synced["params"]), jax.tree.leaves(synced["local"]["params"])):
-        np.testing.assert_array_equal(np.asarray(r)[0], np.asarray(p))
-
-
-def test_local_sgd_sync_averages_independent_replica_runs(local_sgd, devices):
-    """Reference: each of the 8 replicas trained alone on one device on its rows of the batch
-    (split data-major) for the 2 steps before the first sync; the synced params are their mean."""
+@pytest.fixture(scope="module")
+def local_sgd_synced(local_sgd):
+    """The local SGD run's state after step 2 (a sync), refit from its start with the same
+    compiled step: read by the two tests below."""
     t, _, _ = local_sgd
     steps = t.cfg.train.steps
     t.cfg.train.steps = 2
     synced, _ = t.fit(progress=False)
     t.cfg.train.steps = steps
+    return synced
+
+
+def replica_spread(state):
+    return max(float(np.abs(np.asarray(x) - np.asarray(x)[:1]).max()) for x in jax.tree.leaves(state["local"]["params"]))
+
+
+def test_local_sgd_replicas_step_alone_then_average(local_sgd, local_sgd_synced):
+    t, state, losses = local_sgd
+    assert losses[-1] < losses[0] - 0.05, losses
+    leaf = jax.tree.leaves(state["local"]["params"])[0]
+    assert leaf.shape[0] == 8 and leaf.sharding.spec[0] == "data"
+    assert replica_spread(state) > 0  # step 3: one step since the last sync, replicas differ
+    synced = local_sgd_synced
+    assert replica_spread(synced) == 0  # step 2 synced: every replica restarts from the average
+    for p, r in zip(jax.tree.leaves(synced["params"]), jax.tree.leaves(synced["local"]["params"])):
+        np.testing.assert_array_equal(np.asarray(r)[0], np.asarray(p))
+
+
+def test_local_sgd_sync_averages_independent_replica_runs(local_sgd, local_sgd_synced, devices):
+    """Reference: each of the 8 replicas trained alone on one device on its rows of the batch
+    (split data-major) for the 2 steps before the first sync; the synced params are their mean."""
+    t, _, _ = local_sgd
+    synced = local_sgd_synced
     batches = [np.asarray(t.loader.batch(i)) for i in range(2)]
     rows = batches[0].shape[0] // 8
     alone = Trainer(tiny_config(*DP, "train.steps=3", "mesh.data=1", f"train.global_batch={rows}"),
@@ -99,7 +107,8 @@ def test_local_sgd_config_errors(devices):
 
 
 
-LOCAL4 = ["local_sgd.sync_every=2", "mesh.data=4", "train.grad_accum=2", "model.n_layers=4"]
+# train.steps=4: the 4 steps run are the schedule's (the lr of each step is that of a 4-step run)
+LOCAL4 = ["local_sgd.sync_every=2", "mesh.data=4", "train.grad_accum=2", "model.n_layers=4", "train.steps=4"]
 INTERLEAVED = ["mesh.pipeline=2", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"]
 _local4: list = []
 
@@ -113,17 +122,32 @@ def local4_reference(devices) -> list[tuple[dict, dict]]:
     return _local4
 
 
+@functools.cache
+def _local4_beside(beside: tuple, devices: tuple) -> tuple:
+    """(trainer, step, numpy metrics of 4 steps, the numpy state after step 2, the device state
+    after step 4) of LOCAL4 with `beside`, under the step with return_grads (tests/grad_util.
+    grad_trainer): one compile per layout, shared by the replica test and (interleaved) the
+    checkpoint test."""
+    from tests.grad_util import canonical_grads, grad_trainer, to_numpy
+    t, step = grad_trainer(tiny_config(*LOCAL4, *beside), list(devices))
+    state, metrics, at2 = t.init_state(), [], None
+    for i in range(4):
+        state, m = step(state, t.loader.batch(i))
+        metrics.append(canonical_grads(t, to_numpy(m)))
+        if i == 1:
+            at2 = to_numpy(state)  # on the host: the next step donates the device state
+    return t, step, metrics, at2, state
+
+
 @pytest.mark.parametrize("beside", [["mesh.context=2"], INTERLEAVED])
 def test_local_sgd_replicas_sum_context_and_pipeline_within(beside, devices):
     """Local SGD over data=4 with context=2 (each replica's sequences split over two devices) or
     a 2-stage interleaved pipeline beside it equals data=4 alone on 4 devices: the replicas'
     step-1 gradients (each replica's sum over its context devices / stages) and the losses of 4
     steps, two syncs among them."""
-    from tests.grad_util import run_steps
     from tests.test_layout_grads import relative_errors
-    base = LOCAL4
     ref = [metrics for metrics, _ in local4_reference(devices)]
-    got = run_steps(tiny_config(*base, *beside), 4, devices)
+    got = _local4_beside(tuple(beside), tuple(devices))[2]
     leaf_err, norm_err = relative_errors(got[0], ref[0])
     assert leaf_err < 1e-5 and norm_err < 1e-5, (leaf_err, norm_err)
     assert got[0]["grads"]["embed"].shape[0] == 4  # one gradient per replica
@@ -163,20 +187,24 @@ def test_local_sgd_beside_an_interleaved_pipeline_checkpoints_canonical_layers(t
     """The replicas' params and optimizer states (a replica dim before the layers dim) are saved
     in the model's layer order like the params: restored at step 2 and run on, the state equals
     the straight run's bit for bit; the checkpoint's params and replica params are data=4
-    alone's (the model's layer order, whatever the layout)."""
+    alone's (the model's layer order, whatever the layout). The run is the replica test's
+    (interleaved: the same layout and step, compiled once); its step-2 state is saved as fit
+    saves it (Trainer.save: canonical order, then the Checkpointer)."""
     from tests.grad_util import to_numpy
-    cfg = tiny_config(*LOCAL4, *INTERLEAVED, "train.steps=4", "checkpoint.every=2", "checkpoint.async_save=false")
-    t = Trainer(cfg, devices=devices, log=lambda s: None)
-    final, _ = t.fit(out_dir=tmp_path / "run", progress=False)
-    final = to_numpy(final)
     from jaxpar.checkpoint import Checkpointer
-    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", async_save=False, read_only=True, log=lambda s: None)
-    state, _, step = t.restore_step(ckpt, 2)
+    t, step, _, at2, final = _local4_beside(tuple(INTERLEAVED), tuple(devices))
+    final = to_numpy(final)
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", async_save=False, log=lambda s: None)
+    t.save(ckpt, 2, jax.device_put(at2, t.spec.state_shardings))  # as fit saves its step-2 state
+    ckpt.wait()
     ckpt.close()
-    assert step == 2
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", async_save=False, read_only=True, log=lambda s: None)
+    state, _, got_step = t.restore_step(ckpt, 2)
+    ckpt.close()
+    assert got_step == 2
     canonical = to_numpy(t.in_order(state, "canonical"))
     for s in (2, 3):
-        state, _ = t.compiled(state, t.loader.batch(s))
+        state, _ = step(state, t.loader.batch(s))
     for a, b in zip(jax.tree.leaves(to_numpy(state)), jax.tree.leaves(final)):
         np.testing.assert_array_equal(a, b)
     ref = local4_reference(devices)[1][1]  # data=4 alone's state after step 2
