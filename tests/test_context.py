@@ -41,15 +41,17 @@ def assert_close(got, ref, rtol=1e-5, what=""):
     assert err <= rtol, f"{what}: max error {err:.2e} of max |ref| {np.max(np.abs(ref)):.3g}"
 
 
+@jax.jit
+def xla_reference(q, k, v, do, seg):
+    """(out, dq, dk, dv) of the xla attention on one device; jitted: one compile per shape, not
+    one per op."""
+    out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, seg), q, k, v)
+    return (out, *vjp(do))
+
+
 @functools.lru_cache(maxsize=None)
 def reference(heads, kv_heads, segments):
-    q, k, v, do = inputs(heads, kv_heads)
-    seg = jnp.asarray(SEGMENTS) if segments else None
-
-    def run(q, k, v, do):  # jitted: one compile, not one per op
-        out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, seg), q, k, v)
-        return (out, *vjp(do))
-    return jax.jit(run)(q, k, v, do)
+    return xla_reference(*inputs(heads, kv_heads), jnp.asarray(SEGMENTS) if segments else None)
 
 
 def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs=None,
@@ -57,6 +59,13 @@ def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs
     """(out, dq, dk, dv) of the strategy's hook in a shard_map over `context`, in global order;
     `segments` a bool (SEGMENTS or none) or an array of ids; `xs` (q, k, v, do) or `inputs`;
     `jaxpr` a list that receives the step's jaxpr."""
+    return sharded_many(cp, devices, heads, kv_heads, [segments], block, xs, implementation, jaxpr)[0]
+
+
+def sharded_many(cp: ContextParallel, devices, heads, kv_heads, segment_sets, block=4, xs=None,
+                 implementation="blockwise", jaxpr=None):
+    """`sharded` for each of `segment_sets` (bools or arrays of ids), all in one jitted program:
+    one trace and one compile for the variants, each its own shard_map of the hook."""
     mesh = Mesh(np.array(devices[:cp.size]), ("context",))
     q, k, v, do = xs or inputs(heads, kv_heads)
     order = gathered_order(cp.layout, cp.size, q.shape[1])  # the devices' tokens, concatenated
@@ -68,15 +77,27 @@ def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs
         return (out, *vjp(do))
 
     spec = P(None, "context")
-    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4))
-    ids = SEGMENTS if segments is True else (segments if segments is not False else None)
-    seg = None if ids is None else jnp.asarray(np.asarray(ids)[:, order])
-    args = (*(x[:, order] for x in (q, k, v, do)), seg)
+    one = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4)
+    run = jax.jit(lambda q, k, v, do, segs: [one(q, k, v, do, seg) for seg in segs])
+    segs = []
+    for segments in segment_sets:
+        ids = SEGMENTS if segments is True else (segments if segments is not False else None)
+        segs.append(None if ids is None else jnp.asarray(np.asarray(ids)[:, order]))
+    args = (*(x[:, order] for x in (q, k, v, do)), segs)
+    traced = run.trace(*args)  # one trace for the jaxpr and the compile
     if jaxpr is not None:
-        jaxpr.append(jax.make_jaxpr(run)(*args))
-    outs = run(*args)
+        jaxpr.append(traced.jaxpr)
+    outs = traced.lower().compile()(*args)
     inv = np.argsort(order)
-    return [x[:, inv] for x in outs]
+    return [[x[:, inv] for x in o] for o in outs]
+
+
+@functools.lru_cache(maxsize=None)
+def causal_and_segments(strategy, size, layout, heads, kv_heads):
+    """The hook's (out, dq, dk, dv) causal (no segment ids) and with SEGMENTS, by segments."""
+    devices = tuple(jax.devices())
+    got = sharded_many(ContextParallel(size, strategy, layout), devices, heads, kv_heads, [False, True])
+    return dict(zip((False, True), got))
 
 
 @pytest.mark.parametrize("segments", [False, True], ids=["causal", "segments"])
@@ -86,7 +107,8 @@ def sharded(cp: ContextParallel, devices, heads, kv_heads, segments, block=4, xs
 def test_attention_forward_and_grads_equal_xla(strategy, size, layout, segments, devices):
     # GQA (2 query heads per kv head); all_to_all needs kv heads divisible by the context size
     heads, kv_heads = (16, 8) if strategy == "all_to_all" and size == 8 else (8, 4)
-    got = sharded(ContextParallel(size, strategy, layout), devices, heads, kv_heads, segments)
+    # causal and segments are one compile (their own shard_maps in one jit), shared by the two tests
+    got = causal_and_segments(strategy, size, layout, heads, kv_heads)[segments]
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, reference(heads, kv_heads, segments)):
         assert_close(g, r, what=f"{strategy} C={size} {layout} {name}")
 
@@ -150,8 +172,7 @@ def test_ring_tile_when_no_divisor_of_the_run_is_near_the_block(strategy, layout
     seg = np.array([[0] * 20 + [1] * 17 + [2] * 19, [5] * seq], np.int32)
     got = sharded(ContextParallel(4, strategy, layout), devices, 8, 4, seg, block=block, xs=(q, k, v, do),
                   jaxpr=seen)
-    out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, jnp.asarray(seg)), q, k, v)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(do))):
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, xla_reference(q, k, v, do, jnp.asarray(seg))):
         assert_close(g, r, what=f"{strategy} {layout} {name}")
     assert score_tiles(seen[0]) == {(tile, tile)}, score_tiles(seen[0])
 
@@ -166,8 +187,7 @@ def test_ring_never_reads_a_tile_no_segment_shares(devices):
     bad = (np.arange(S) >= 24) & (np.arange(S) < 32)
     poison = lambda x: jnp.where(jnp.asarray(bad)[None, :, None, None], jnp.nan, x)
     got = sharded(ContextParallel(4, "ring", "zigzag"), devices, 8, 4, seg, xs=(q, poison(k), poison(v), do))
-    out, vjp = jax.vjp(lambda q, k, v: xla_attention(q, k, v, jnp.asarray(seg)), q, k, v)
-    for name, g, r in zip(("out", "dq", "dk", "dv"), got, (out, *vjp(do))):
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, xla_reference(q, k, v, do, jnp.asarray(seg))):
         g = np.asarray(g)[:, ~bad]
         assert np.isfinite(g).all(), name
         assert_close(g, np.asarray(r)[:, ~bad], what=name)

@@ -217,33 +217,53 @@ def test_every_attention_honours_packed_segments_forward_and_gradients(impl):
 # ---------------------------------------------------------------- the packed train step
 
 
-def per_document_reference(trainer: Trainer, params, rows: np.ndarray):
-    """(loss, grads) on one device, no packing: every document of every row run alone as its own
-    sequence (positions from 0, padded after its end), the mean NLL over the targets inside the
-    documents, the gradient by jax.grad. Shares nothing with the step but the model."""
+def documents(rows: np.ndarray) -> list[np.ndarray]:
+    """Every document of every row (a document ends at an EOS input), padding dropped."""
     docs = []
     for r in rows:
-        cut = np.flatnonzero(r[:-1] == EOS) + 1  # a document ends at an EOS input
+        cut = np.flatnonzero(r[:-1] == EOS) + 1
         for piece in np.split(r, cut):
             if piece.size >= 2 and not np.all(piece == EOS):
                 docs.append(piece)
-    width = SEQ + 1
-    toks = np.full((len(docs), width), EOS, np.int32)
-    w = np.zeros((len(docs), SEQ), np.float32)
-    for i, d in enumerate(docs):
-        toks[i, :len(d)] = d
-        w[i, :len(d) - 1] = 1.0
-    toks, w = jnp.asarray(toks), jnp.asarray(w)
+    return docs
 
-    def loss(p):
-        logits = trainer.model.merge(trainer.model.state(p))(toks[:, :-1]).astype(jnp.float32)
+
+_LOSS_AND_GRAD: dict[int, tuple] = {}  # id(model) -> (model, its jitted loss and grad)
+
+
+def document_loss_and_grad(model):
+    """jit((params, tokens, weights) -> (loss, grads)): the mean NLL over the weighted targets of
+    `model` run on each row alone, by jax.grad; one compile per shape, shared by the references."""
+    if id(model) not in _LOSS_AND_GRAD:
+        _LOSS_AND_GRAD[id(model)] = (model, _document_loss_and_grad(model))
+    return _LOSS_AND_GRAD[id(model)][1]
+
+
+def _document_loss_and_grad(model):
+    def loss(p, toks, w):
+        logits = model.merge(model.state(p))(toks[:, :-1]).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, toks[:, 1:, None], axis=-1)[..., 0]
         return (nll * w).sum() / w.sum()
+    return jax.jit(jax.value_and_grad(loss))
 
+
+def per_document_reference(trainer: Trainer, params, rows: np.ndarray, pad_to: int = 0):
+    """(loss, grads) on one device, no packing: every document of every row run alone as its own
+    sequence (positions from 0, padded after its end), the mean NLL over the targets inside the
+    documents, the gradient by jax.grad. Shares nothing with the step but the model. `pad_to`:
+    that many sequences at least, the extra ones all padding with no target counted (so that
+    references of batches with other document counts share one compile)."""
+    docs = documents(rows)
+    width = SEQ + 1
+    toks = np.full((max(len(docs), pad_to), width), EOS, np.int32)
+    w = np.zeros((len(toks), SEQ), np.float32)
+    for i, d in enumerate(docs):
+        toks[i, :len(d)] = d
+        w[i, :len(d) - 1] = 1.0
     cpu = jax.devices()[0]
     p = jax.device_put(jax.device_get(params), cpu)
-    value, grads = jax.jit(jax.value_and_grad(loss))(p)
+    value, grads = document_loss_and_grad(trainer.model)(p, jnp.asarray(toks), jnp.asarray(w))
     return float(value), to_numpy(grads)
 
 
@@ -272,16 +292,28 @@ def reference(corpus, devices):
     trainer = Trainer(packed_cfg(path, "mesh.data=1"), devices=devices[:1], log=QUIET)
     rows = np.asarray(trainer.loader.batch(0))
     params = trainer.init_state()["params"]
-    return rows, params, per_document_reference(trainer, params, rows)
+    return rows, params, per_document_reference(trainer, params, rows), trainer
+
+
+def test_per_document_reference_ignores_padding_sequences(reference):
+    """Padding sequences (no target counted) change neither the reference's loss nor its grads
+    (the local SGD test pads its halves' references to the whole batch's document count)."""
+    rows, params, (loss, grads), trainer = reference
+    more_loss, more_grads = per_document_reference(trainer, params, rows, pad_to=len(documents(rows)) + 5)
+    assert abs(more_loss - loss) < 1e-6 * loss
+    errs = jax.tree.map(lambda g, r: float(np.abs(g - r).max() / (np.abs(r).max() + 1e-12)), more_grads, grads)
+    assert max(jax.tree.leaves(errs)) < 1e-6, errs
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_step_loss_and_gradients_equal_the_per_document_reference(layout, corpus, devices, reference):
     path, _ = corpus
-    rows, params0, (ref_loss, ref_grads) = reference
+    rows, params0, (ref_loss, ref_grads), ref_trainer = reference
     opts = LAYOUTS[layout]
     n = int(np.prod([int(o.split("=")[1]) for o in opts if o.startswith("mesh.")]))
-    trainer = Trainer(packed_cfg(path, *opts), devices=devices[:n], log=QUIET)
+    # one-device: the reference's own trainer (its config), whose step the reference never ran
+    trainer = ref_trainer if layout == "one-device" else Trainer(packed_cfg(path, *opts), devices=devices[:n],
+                                                                   log=QUIET)
     state = trainer.init_state()
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  jax.device_get(state["params"]), jax.device_get(params0))
@@ -374,14 +406,16 @@ def test_local_sgd_replicas_each_get_the_mean_over_their_own_documents(corpus, d
     """Under local SGD each replica's gradient is the mean over the targets of its own rows (its
     count psum'd within the replica only)."""
     path, _ = corpus
-    rows, _, _ = reference
+    rows, _, _, ref_trainer = reference
     trainer = Trainer(packed_cfg(path, "mesh.data=2", "local_sgd.sync_every=2"), devices=devices[:2], log=QUIET)
     state = trainer.init_state()
     params = jax.device_get(state["params"])  # every replica starts from them (the step donates them)
     _, metrics = trainer.make_step(return_grads=True)(state, place_batch(trainer, rows))
     grads = to_numpy(metrics["grads"])
     for r, part in enumerate(np.split(rows, 2)):  # replica r holds rows of its data index
-        _, ref = per_document_reference(trainer, params, part)
+        # the reference's model (this config's: local SGD changes the step, not the model), padded
+        # to the whole batch's document count: the fixture's program, compiled once for all three
+        _, ref = per_document_reference(ref_trainer, params, part, pad_to=len(documents(rows)))
         errs = jax.tree.map(lambda g, x: float(np.abs(g[r] - x).max() / (np.abs(x).max() + 1e-12)), grads, ref)
         assert max(jax.tree.leaves(errs)) < 2e-5, (r, errs)
 
@@ -390,17 +424,21 @@ def test_packing_changes_the_loss_the_reference_can_tell(reference, corpus, devi
     """The same rows unpacked (attention across documents, every target counted) give another
     loss, so the comparison above can fail."""
     path, _ = corpus
-    rows, params, (ref_loss, _) = reference
-    trainer = Trainer(packed_cfg(path, "mesh.data=1"), devices=devices[:1], log=QUIET)
-    logits = trainer.model.merge(trainer.model.state(jax.device_get(params)))(jnp.asarray(rows[:, :-1]))
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    unpacked = -float(jnp.take_along_axis(logp, jnp.asarray(rows[:, 1:, None]), axis=-1).mean())
+    rows, params, (ref_loss, _), trainer = reference
+    model = trainer.model
+
+    @jax.jit  # one compile, not one per op
+    def unpacked_loss(p, rows):
+        logits = model.merge(model.state(p))(rows[:, :-1])
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, rows[:, 1:, None], axis=-1).mean()
+    unpacked = float(unpacked_loss(jax.device_get(params), jnp.asarray(rows)))
     assert abs(unpacked - ref_loss) > 1e-2, (unpacked, ref_loss)
 
 
 def test_packed_eval_loss_equals_the_per_document_reference(corpus, devices, reference):
     path, _ = corpus
-    rows, params0, (ref_loss, _) = reference
+    rows, params0, (ref_loss, _), _ = reference
     trainer = Trainer(packed_cfg(path, "mesh.data=2", "mesh.fsdp=4", "sharding.zero_stage=3",
                                  "data.eval_fraction=0.2"), devices=devices, log=QUIET)
     eval_step = trainer.make_evaluator().eval_step
