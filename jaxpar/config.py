@@ -10,8 +10,10 @@ import difflib
 import functools
 import os
 import re
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -29,6 +31,21 @@ class ConfigError(ValueError):
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info) -> Any:
+        """pydantic reads `true` as 1 for an int or float field (`train.steps: true` trained one
+        step): a boolean is refused where the field takes numbers and no boolean."""
+        if isinstance(value, bool) and _takes_numbers_not_bools(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        return value
+
+
+def _takes_numbers_not_bools(annotation: Any) -> bool:
+    """int or float, alone or among a union's alternatives, and no bool among them."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return bool not in args and any(a in (int, float) for a in args)
 
 
 class MoEConfig(Strict):

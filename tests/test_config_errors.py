@@ -247,3 +247,15 @@ def test_compression_axes_beside_the_dcn_scope_is_one_error():
         tiny_config("gradient_compression.method=int8", "gradient_compression.scope=dcn",
                     "gradient_compression.axes=[data]")
     tiny_config("gradient_compression.method=int8", "gradient_compression.scope=dcn")  # alone: fine
+
+
+@pytest.mark.parametrize("section,key", [("train", "steps"), ("optimizer", "lr"), ("mesh", "data"),
+                                         ("model", "dim")])
+def test_a_boolean_for_a_number_is_refused(section, key):
+    """pydantic reads `true` as 1 for a number: `train.steps: true` trained one step. Refused in
+    YAML and on the command line; booleans stay booleans where the field takes them."""
+    with pytest.raises(ConfigError, match=rf"{section}\.{key} = True: expected a number, got the boolean true"):
+        make_config({section: {key: True}}, [])
+    with pytest.raises(ConfigError, match=rf"{section}\.{key} = False: expected a number"):
+        make_config({}, [f"{section}.{key}=false"])
+    assert make_config({}, ["train.progress=false", "train.steps=3"]).train.steps == 3
