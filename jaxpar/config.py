@@ -44,7 +44,8 @@ class Strict(BaseModel):
 
 def _takes_numbers_not_bools(annotation: Any) -> bool:
     """int or float, alone or among a union's alternatives, and no bool among them."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, UnionType) else (annotation,)
+    union = typing.get_origin(annotation) in (Union, UnionType)
+    args = typing.get_args(annotation) if union else (annotation,)
     return bool not in args and any(a in (int, float) for a in args)
 
 
