@@ -323,6 +323,8 @@ def barrier(name: str, timeout_s: float = 900.0) -> None:
     if jax.process_count() == 1:
         return
     from jax._src import distributed as dist
+
+    from jaxpar.metrics.writers import flatten
     client = dist.global_state.client
     if client is not None:
         client.wait_at_barrier(f"jaxpar:{name}:{next(_barrier_ids)}", timeout_in_ms=int(timeout_s * 1000))
@@ -360,6 +362,8 @@ def same_config_on_every_process(cfg) -> None:
     if jax.process_count() == 1:
         return
     from jax._src import distributed as dist
+
+    from jaxpar.metrics.writers import flatten
     client = dist.global_state.client
     if client is None:
         return
@@ -367,7 +371,8 @@ def same_config_on_every_process(cfg) -> None:
     prefix = f"jaxpar:config:{next(_barrier_ids)}/"
     client.key_value_set(prefix + str(jax.process_index()), json.dumps(mine, sort_keys=True))
     barrier("config")
-    configs = {int(k.rpartition("/")[2]): _flat(json.loads(v)) for k, v in client.key_value_dir_get(prefix)}
+    dotted = lambda v: {name.replace("/", "."): x for name, x in flatten(json.loads(v)).items()}
+    configs = {int(k.rpartition("/")[2]): dotted(v) for k, v in client.key_value_dir_get(prefix)}
     ref = configs[0]
     differ = sorted({k for c in configs.values() for k in set(c) | set(ref) if c.get(k) != ref.get(k)})
     if differ:
@@ -377,12 +382,3 @@ def same_config_on_every_process(cfg) -> None:
         raise ConfigError(f"the processes were started with different configs: {shown}{more}; every process "
                           f"must get the same config and overrides (only `distributed` may differ)")
 
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
