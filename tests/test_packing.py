@@ -228,24 +228,20 @@ def documents(rows: np.ndarray) -> list[np.ndarray]:
     return docs
 
 
-_LOSS_AND_GRAD: dict[int, tuple] = {}  # id(model) -> (model, its jitted loss and grad)
+_LOSS_AND_GRAD: dict[int, tuple] = {}  # id(model) -> (model, kept alive so its id stays its own; the jit)
 
 
 def document_loss_and_grad(model):
     """jit((params, tokens, weights) -> (loss, grads)): the mean NLL over the weighted targets of
     `model` run on each row alone, by jax.grad; one compile per shape, shared by the references."""
     if id(model) not in _LOSS_AND_GRAD:
-        _LOSS_AND_GRAD[id(model)] = (model, _document_loss_and_grad(model))
+        def loss(p, toks, w):
+            logits = model.merge(model.state(p))(toks[:, :-1]).astype(jnp.float32)
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            nll = -jnp.take_along_axis(logp, toks[:, 1:, None], axis=-1)[..., 0]
+            return (nll * w).sum() / w.sum()
+        _LOSS_AND_GRAD[id(model)] = (model, jax.jit(jax.value_and_grad(loss)))
     return _LOSS_AND_GRAD[id(model)][1]
-
-
-def _document_loss_and_grad(model):
-    def loss(p, toks, w):
-        logits = model.merge(model.state(p))(toks[:, :-1]).astype(jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, toks[:, 1:, None], axis=-1)[..., 0]
-        return (nll * w).sum() / w.sum()
-    return jax.jit(jax.value_and_grad(loss))
 
 
 def per_document_reference(trainer: Trainer, params, rows: np.ndarray, pad_to: int = 0):
@@ -275,7 +271,7 @@ LAYOUTS = {
     # stage's vjp on the last stage, each layer's halves on the others)
     "data4-pipeline2-reset-zb": ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
                                  "data.reset_positions=true", "pipeline.schedule=zb_h1"),
-    "data2-fsdp2-tensor2-reset-chunked": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.reset_positions=true",
+_LOSS_AND_GRAD: dict[int, tuple] = {}  # id(model) -> (the model, kept alive so its id stays its own; the jit)
                                           "train.loss_chunk=8", "model.attention=blockwise",
                                           "model.attention_block=8"),
     # context parallelism cuts every document field of the rows alike (parallel/context.split)
