@@ -228,7 +228,8 @@ def documents(rows: np.ndarray) -> list[np.ndarray]:
     return docs
 
 
-_LOSS_AND_GRAD: dict[int, tuple] = {}  # id(model) -> (model, kept alive so its id stays its own; the jit)
+# id(model) -> (the model, kept alive so that its id stays its own; its jitted loss and grad)
+_LOSS_AND_GRAD: dict[int, tuple] = {}
 
 
 def document_loss_and_grad(model):
@@ -271,7 +272,7 @@ LAYOUTS = {
     # stage's vjp on the last stage, each layer's halves on the others)
     "data4-pipeline2-reset-zb": ("mesh.data=4", "mesh.pipeline=2", "train.grad_accum=2",
                                  "data.reset_positions=true", "pipeline.schedule=zb_h1"),
-_LOSS_AND_GRAD: dict[int, tuple] = {}  # id(model) -> (the model, kept alive so its id stays its own; the jit)
+    "data2-fsdp2-tensor2-reset-chunked": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "data.reset_positions=true",
                                           "train.loss_chunk=8", "model.attention=blockwise",
                                           "model.attention_block=8"),
     # context parallelism cuts every document field of the rows alike (parallel/context.split)
