@@ -34,6 +34,10 @@ assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE
 
 from jaxpar.config import make_config  # noqa: E402
 import jaxpar.train.trainer  # noqa: E402,F401  (imported once, before the freeze below)
+from tests.shared_init import REAL_INIT, shared_init_state  # noqa: E402
+
+# one init program per model and optimizer, not one per layout (tests/shared_init.py)
+jaxpar.train.trainer.Trainer.init_state = shared_init_state
 
 # Tracing a step allocates millions of short-lived objects; with Python's default thresholds the
 # cyclic collector runs full collections over a heap that module fixtures keep large (5-10% of a
@@ -52,6 +56,13 @@ TINY = [
 
 def tiny_config(*overrides: str):
     return make_config({}, TINY + list(overrides))
+
+
+@pytest.fixture(autouse=True)
+def _real_init(request, monkeypatch):
+    """A test marked `real_init` builds its train states with the layout's own init program."""
+    if request.node.get_closest_marker("real_init") is not None:
+        monkeypatch.setattr(jaxpar.train.trainer.Trainer, "init_state", REAL_INIT)
 
 
 @pytest.fixture(scope="session")
