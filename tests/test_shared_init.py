@@ -15,8 +15,8 @@ LAYOUTS = [
     "mesh.data=8",
     "mesh.data=2 mesh.fsdp=2 mesh.tensor=2 sharding.zero_stage=1",
     "mesh.data=2 mesh.fsdp=4 sharding.zero_stage=3 train.param_dtype=bfloat16 train.compute_dtype=bfloat16",
-    "mesh.data=4 mesh.pipeline=2 model.n_layers=4 pipeline.schedule=interleaved_1f1b pipeline.virtual_stages=2 "
-    "train.grad_accum=2",
+    "mesh.data=4 mesh.pipeline=2 model.n_layers=4 pipeline.schedule=interleaved_1f1b "
+    "pipeline.virtual_stages=2 train.grad_accum=2",
     "mesh.data=2 mesh.expert=4 model.moe.num_experts=4",
     "mesh.data=4 mesh.context=2",
     "mesh.data=4 mesh.tensor=2 gradient_compression.method=powersgd",
