@@ -323,8 +323,6 @@ def barrier(name: str, timeout_s: float = 900.0) -> None:
     if jax.process_count() == 1:
         return
     from jax._src import distributed as dist
-
-    from jaxpar.metrics.writers import flatten
     client = dist.global_state.client
     if client is not None:
         client.wait_at_barrier(f"jaxpar:{name}:{next(_barrier_ids)}", timeout_in_ms=int(timeout_s * 1000))

@@ -38,10 +38,10 @@ def _key(closed) -> str:
 def shared_init_state(self: Trainer) -> dict:
     if self.cfg.train.init_from:  # params from files, placed on the shardings: the real path
         return REAL_INIT(self)
-    init, seed = self.init_fn.__wrapped__, self.cfg.train.seed
-    key = _key(jax.make_jaxpr(init, static_argnums=0)(seed))
-    if key not in _states:
-        _states[key] = jax.device_get(jax.jit(init, static_argnums=0)(seed))
+    traced = jax.jit(self.init_fn.__wrapped__, static_argnums=0).trace(self.cfg.train.seed)
+    key = _key(traced.jaxpr)
+    if key not in _states:  # compiled from the same trace (the persistent cache answers repeats)
+        _states[key] = jax.device_get(traced.lower().compile()())
         if len(_states) > _KEEP:
             _states.popitem(last=False)
     _states.move_to_end(key)
