@@ -660,6 +660,27 @@ def test_resume_notices_a_changed_learning_rate_schedule(tmp_path, devices):
     assert ck.plan_resume(tiny_config(*fixed, "train.steps=10"), 8).notices == []
 
 
+def test_schedule_notice_reads_each_schedule_once_over_every_step_to_run(monkeypatch):
+    """The lrs of the steps still to run are compared in one call per schedule over all their
+    optimizer counts (one by one, a resume with 200k steps ahead evaluated them for minutes)."""
+    from jaxpar.checkpoint import compat
+    from jaxpar.train import decay
+    calls, real = [], decay.schedule
+
+    def recording(cfg, total):
+        lr = real(cfg, total)
+        return lambda count: calls.append(np.array(count)) or lr(count)
+    monkeypatch.setattr(decay, "schedule", recording)
+    same = ["optimizer.warmup_steps=10", "optimizer.decay_steps=50000"]
+    saved = tiny_config(*same, "train.steps=100000").model_dump(mode="json")
+    assert compat.schedule_notices(saved, tiny_config(*same, "train.steps=200000"), 5000) == []
+    assert len(calls) == 2 and all(np.array_equal(c, np.arange(5000, 200000)) for c in calls)
+    # a schedule stretched from 100k to 200k steps differs: named
+    saved = tiny_config("optimizer.warmup_steps=10", "train.steps=100000").model_dump(mode="json")
+    assert compat.schedule_notices(saved, tiny_config("optimizer.warmup_steps=10", "train.steps=200000"),
+                                   5000) != []
+
+
 LOCAL_SGD = ["local_sgd.sync_every=2", "mesh.tensor=2", "train.global_batch=8", "checkpoint.every=2",
              "sharding.zero_stage=1"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxpar.checkpoint.errors import StateMismatch
 from jaxpar.checkpoint.integrity import leaf_paths
@@ -90,9 +91,11 @@ def schedule_notices(saved: dict, now: Any, step: int) -> list[str]:
     except Exception:  # noqa: BLE001 - unreadable: the field notice alone
         then_lr = None
     now_lr = schedule(now.optimizer, now.train.steps)
-    ahead = range(step, max(step + 1, now.train.steps))  # the optimizer counts of the steps to run
+    # the optimizer counts of the steps to run, all at once (one by one, a long run's resume
+    # evaluated the schedules for minutes)
+    ahead = np.arange(step, max(step + 1, now.train.steps), dtype=np.int32)
     tol = 1e-7 * now.optimizer.lr
-    if then_lr is not None and all(abs(float(then_lr(c)) - float(now_lr(c))) <= tol for c in ahead):
+    if then_lr is not None and np.all(np.abs(np.asarray(then_lr(ahead)) - np.asarray(now_lr(ahead))) <= tol):
         return []  # e.g. train.steps with decay_steps set: the same learning rates
     what = ", ".join(f"{f} {a} -> {b}" for f, a, b in changed)
     at = (f": lr of step {step + 1} {float(then_lr(step)):.4g} -> {float(now_lr(step)):.4g}"
