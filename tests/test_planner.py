@@ -21,14 +21,10 @@ from jaxpar.planner.sync import local_sgd_ops, planned_sync
 from jaxpar.train.builtin import llama_model_factory
 from jaxpar.train.model import ModelDef
 from jaxpar.train.trainer import Trainer
+from tests.layout_model import TOL, layout_config
 
 pytestmark = pytest.mark.xdist_group("planner")  # the compiled layouts are built once, on one worker
 
-BASE = {"model": {"preset": "tiny", "n_layers": 4, "dim": 128, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 384,
-                  "vocab_size": 256},
-        "train": {"global_batch": 16, "seq_len": 128, "compute_dtype": "float32", "progress": False},
-        "data": {"source": "synthetic"}, "checkpoint": {"enabled": False}}
-TOL = "sharding.replicated_tolerance=0.3"  # pipeline stages and expert groups replicate the rest
 ZB_FULL = f"mesh.data=4 mesh.pipeline=2 train.grad_accum=2 pipeline.schedule=zb_h1 train.remat=full {TOL}"
 # ZeRO 0-3, tensor (with and without sequence parallelism), pipeline (zb_h1 too), expert, remat
 # policies (none, full, dots_saveable; pipelined too, beside tensor, in bf16; beside sequence
@@ -109,7 +105,7 @@ class _Compiled(dict):
     memory, predicted / measured collectives); one compile each."""
 
     def __missing__(self, overrides):
-        cfg = make_config(BASE, overrides.split())
+        cfg = layout_config(overrides)
         tr = Trainer(cfg, log=lambda s: None)
         exe = tr.compile()
         layout = Layout.of_config(cfg, 8)
