@@ -90,17 +90,17 @@ def schedule_notices(saved: dict, now: Any, step: int) -> list[str]:
         then_lr = schedule(then_opt, int(saved["train"]["steps"]))
     except Exception:  # noqa: BLE001 - unreadable: the field notice alone
         then_lr = None
-    now_lr = schedule(now.optimizer, now.train.steps)
-    # the optimizer counts of the steps to run, all at once (one by one, a long run's resume
-    # evaluated the schedules for minutes)
-    ahead = np.arange(step, max(step + 1, now.train.steps), dtype=np.int32)
-    tol = 1e-7 * now.optimizer.lr
-    if then_lr is not None and np.all(np.abs(np.asarray(then_lr(ahead)) - np.asarray(now_lr(ahead))) <= tol):
-        return []  # e.g. train.steps with decay_steps set: the same learning rates
     what = ", ".join(f"{f} {a} -> {b}" for f, a, b in changed)
-    at = (f": lr of step {step + 1} {float(then_lr(step)):.4g} -> {float(now_lr(step)):.4g}"
-          if then_lr is not None else "")
-    return [f"the learning-rate schedule ({what}){at}"]
+    if then_lr is None:
+        return [f"the learning-rate schedule ({what})"]
+    # the lrs of the steps to run, each schedule read once over all their optimizer counts (one
+    # by one, a long run's resume evaluated the schedules for minutes)
+    ahead = np.arange(step, max(step + 1, now.train.steps), dtype=np.int32)
+    before = np.asarray(then_lr(ahead))
+    after = np.asarray(schedule(now.optimizer, now.train.steps)(ahead))
+    if np.all(np.abs(before - after) <= 1e-7 * now.optimizer.lr):
+        return []  # e.g. train.steps with decay_steps set: the same learning rates
+    return [f"the learning-rate schedule ({what}): lr of step {step + 1} {before[0]:.4g} -> {after[0]:.4g}"]
 
 
 def _fmt(shape, dtype) -> str:
